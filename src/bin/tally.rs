@@ -1,0 +1,80 @@
+//! The `tally` command: parses flags and hands over to the library.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use tally::config::RunConfig;
+use tally::metrics::Stats;
+
+/// Exactly-once like counting from Kafka into Redis.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Consume like events and apply them to Redis, exactly once.
+    Run(RunConfig),
+    /// Start a private broker, redis-server and traffic generator, and count live.
+    Demo(tally::demo::DemoConfig),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG")
+                .unwrap_or_else(|_| "info,rdkafka=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Run(config) => {
+                if let Some(addr) = config.metrics_addr {
+                    tally::metrics::serve(addr)?;
+                }
+                let shutdown = CancellationToken::new();
+                tokio::spawn(on_signal(shutdown.clone()));
+                tally::run::run(config, Arc::new(Stats::default()), shutdown)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            Command::Demo(config) => tally::demo::demo(config)
+                .await
+                .map_err(|e| format!("{e:#}")),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Cancels `shutdown` on SIGINT or SIGTERM.
+async fn on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("Signal received; shutting down.");
+    shutdown.cancel();
+}

@@ -1,0 +1,215 @@
+//! Config: every setting of `tally run`, its default, and its validation.
+//!
+//! Invariant: a configuration that passes [`RunConfig::validate`] can be run;
+//! anything wrong is reported at start-up in one line naming the flag to fix,
+//! never discovered mid-stream.
+
+use std::net::SocketAddr;
+
+use clap::Args;
+
+/// Default number of buckets per post.
+pub const DEFAULT_BUCKETS: u32 = 16;
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "tally";
+/// Default consumer group.
+pub const DEFAULT_GROUP: &str = "tally";
+
+/// Settings of `tally run`. Each flag can also be set as `TALLY_<FLAG>` in the
+/// environment (for example `TALLY_BROKERS`).
+#[derive(Debug, Clone, Args)]
+pub struct RunConfig {
+    /// Kafka bootstrap servers, comma separated (host:port,...).
+    #[arg(long, env = "TALLY_BROKERS", default_value = "127.0.0.1:9092")]
+    pub brokers: String,
+
+    /// Topic of like events to consume.
+    #[arg(long, env = "TALLY_TOPIC", default_value = "likes")]
+    pub topic: String,
+
+    /// Kafka consumer group; fences are kept per group, so two groups count independently.
+    #[arg(long, env = "TALLY_GROUP", default_value = DEFAULT_GROUP)]
+    pub group: String,
+
+    /// Redis server URL (redis://[:password@]host:port[/db]).
+    #[arg(long, env = "TALLY_REDIS", default_value = "redis://127.0.0.1:6379/")]
+    pub redis: String,
+
+    /// Buckets per post (N): bucket = xxh64(user_id) % N. Changing it moves users between buckets.
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = DEFAULT_BUCKETS)]
+    pub buckets: u32,
+
+    /// Prefix of every Redis key tally writes.
+    #[arg(long, env = "TALLY_PREFIX", default_value = DEFAULT_PREFIX)]
+    pub prefix: String,
+
+    /// Topic that receives copies of malformed messages (with the reason in a header).
+    #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC")]
+    pub dead_letter_topic: Option<String>,
+
+    /// Close a partition's batch after this many messages.
+    #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = 100_000)]
+    pub batch_max_events: u64,
+
+    /// Close a partition's batch after this many distinct (post, bucket) counters.
+    #[arg(long, env = "TALLY_BATCH_MAX_KEYS", default_value_t = 10_000)]
+    pub batch_max_keys: usize,
+
+    /// Close a partition's batch when it is this old (milliseconds).
+    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = 100)]
+    pub flush_interval_ms: u64,
+
+    /// Scripts in flight to Redis at once, across partitions (one per partition at most).
+    #[arg(long, env = "TALLY_MAX_IN_FLIGHT", default_value_t = 8)]
+    pub max_in_flight: usize,
+
+    /// On SIGTERM/SIGINT, how long to wait for in-flight batches before exiting (seconds).
+    #[arg(long, env = "TALLY_SHUTDOWN_TIMEOUT_SECS", default_value_t = 10)]
+    pub shutdown_timeout_secs: u64,
+
+    /// Serve Prometheus metrics on this address (for example 0.0.0.0:9464).
+    #[arg(long, env = "TALLY_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+
+    /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000.
+    #[arg(short = 'X', long = "kafka-config", env = "TALLY_KAFKA_CONFIG", value_delimiter = ',', value_parser = parse_key_value)]
+    pub kafka_config: Vec<(String, String)>,
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("expected key=value, got '{s}'")),
+    }
+}
+
+/// A configuration problem, naming the flag to fix.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag}: {problem}")]
+pub struct ConfigError {
+    /// The flag at fault.
+    pub flag: &'static str,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+fn bad(flag: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+/// librdkafka settings tally owns; overriding them would break exactly-once.
+const RESERVED_KAFKA_KEYS: &[&str] = &[
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "group.id",
+    "bootstrap.servers",
+];
+
+impl RunConfig {
+    /// Checks every setting; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.brokers.trim().is_empty() {
+            return Err(bad("brokers", "is empty; give host:port of a Kafka broker"));
+        }
+        if self.topic.trim().is_empty() {
+            return Err(bad("topic", "is empty"));
+        }
+        if self.group.trim().is_empty() {
+            return Err(bad("group", "is empty"));
+        }
+        if !(self.redis.starts_with("redis://") || self.redis.starts_with("rediss://")) {
+            return Err(bad(
+                "redis",
+                format!(
+                    "'{}' is not a redis:// URL",
+                    crate::apply::redact_url(&self.redis)
+                ),
+            ));
+        }
+        if self.buckets == 0 || self.buckets > 1 << 20 {
+            return Err(bad("buckets", "must be between 1 and 1048576"));
+        }
+        if self.prefix.is_empty()
+            || self
+                .prefix
+                .contains(|c: char| c.is_whitespace() || "*?[]{}".contains(c))
+        {
+            return Err(bad(
+                "prefix",
+                "must be non-empty, without spaces, glob characters or braces",
+            ));
+        }
+        if self.dead_letter_topic.as_deref() == Some(self.topic.as_str()) {
+            return Err(bad("dead-letter-topic", "must differ from --topic"));
+        }
+        if self.batch_max_events == 0 {
+            return Err(bad("batch-max-events", "must be at least 1"));
+        }
+        if self.batch_max_keys == 0 || self.batch_max_keys > 100_000 {
+            return Err(bad("batch-max-keys", "must be between 1 and 100000"));
+        }
+        if self.flush_interval_ms == 0 {
+            return Err(bad("flush-interval-ms", "must be at least 1"));
+        }
+        if self.max_in_flight == 0 {
+            return Err(bad("max-in-flight", "must be at least 1"));
+        }
+        if let Some((key, _)) = self
+            .kafka_config
+            .iter()
+            .find(|(k, _)| RESERVED_KAFKA_KEYS.contains(&k.as_str()))
+        {
+            return Err(bad(
+                "kafka-config",
+                format!("{key} is managed by tally; use the dedicated flag or leave it"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunConfig,
+    }
+
+    fn parse(args: &[&str]) -> RunConfig {
+        let mut all = vec!["tally"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all).unwrap().run
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let config = parse(&[]);
+        assert_eq!(config.buckets, 16);
+        assert_eq!(config.prefix, "tally");
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn passthrough_and_problems_name_the_flag() {
+        let config = parse(&["-X", "session.timeout.ms=6000", "-X", "fetch.min.bytes=1"]);
+        assert_eq!(config.kafka_config.len(), 2);
+        let err = parse(&["--buckets", "0"]).validate().unwrap_err();
+        assert_eq!(err.flag, "buckets");
+        let err = parse(&["--redis", "localhost:6379"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.flag, "redis");
+        let err = parse(&["-X", "enable.auto.commit=true"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.flag, "kafka-config");
+        assert!(Cli::try_parse_from(["tally", "-X", "nonsense"]).is_err());
+    }
+}

@@ -1,0 +1,263 @@
+//! Consume: the Kafka consumer, and where each assignment learns its fence.
+//!
+//! Invariant: a partition is never read from a position tally invented. On every
+//! assignment (not only at start-up) the rebalance callback reads the
+//! partition's fence from Redis and assigns the partition at `fence + 1`, so
+//! consumption resumes exactly where Redis is, whatever Kafka's committed offset
+//! says. When the fence cannot be read (Redis unreachable during a rebalance),
+//! the partition starts at the committed offset and the first script call
+//! corrects the position: the fence check never depends on this read.
+//!
+//! Offsets are never auto-committed or auto-stored: see [`crate::commit`].
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rdkafka::ClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{
+    BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use tracing::{debug, error, info, warn};
+
+use crate::apply::FenceReader;
+
+/// A partition handed to this consumer, with the fence found for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Assignment {
+    /// The partition.
+    pub partition: i32,
+    /// The fence read from Redis; `None` when absent or unreadable.
+    pub fence: Option<i64>,
+    /// Whether the fence was read (so its absence is known, not assumed).
+    pub fence_read: bool,
+}
+
+/// A change of ownership, queued by the rebalance callback for the main loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rebalanced {
+    /// Partitions now owned, already positioned at their fences.
+    Assigned(Vec<Assignment>),
+    /// Partitions no longer owned.
+    Revoked(Vec<i32>),
+    /// The assignment was lost in an error; nothing is owned.
+    Lost,
+}
+
+/// Consumer context: positions assignments at their fences and queues the
+/// changes for the main loop, which drains them after every poll.
+pub struct TallyContext {
+    topic: String,
+    fences: FenceReader,
+    queue: Mutex<Vec<Rebalanced>>,
+}
+
+impl TallyContext {
+    /// A context for one topic.
+    pub fn new(topic: &str, fences: FenceReader) -> Self {
+        Self {
+            topic: topic.to_string(),
+            fences,
+            queue: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Takes the ownership changes queued since the last call.
+    pub fn take_changes(&self) -> Vec<Rebalanced> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn push(&self, change: Rebalanced) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(change);
+    }
+
+    /// Reads fences with a few quick retries; gives up rather than stall the group.
+    fn read_fences(&self, partitions: &[i32]) -> Option<Vec<Option<i64>>> {
+        for attempt in 1..=3 {
+            match self.fences.read(partitions) {
+                Ok(fences) => return Some(fences),
+                Err(error) => {
+                    warn!(attempt, %error, "Cannot read fences during rebalance.");
+                    std::thread::sleep(Duration::from_millis(200 * attempt));
+                }
+            }
+        }
+        None
+    }
+
+    fn on_assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
+        let partitions: Vec<i32> = tpl
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        let fences = self.read_fences(&partitions);
+        let mut assignments = Vec::with_capacity(partitions.len());
+        for (i, &partition) in partitions.iter().enumerate() {
+            let fence = fences.as_ref().and_then(|f| f[i]);
+            if let Some(fence) = fence
+                && let Err(error) =
+                    tpl.set_partition_offset(&self.topic, partition, Offset::Offset(fence + 1))
+            {
+                error!(partition, %error, "Cannot position partition at its fence.");
+            }
+            assignments.push(Assignment {
+                partition,
+                fence,
+                fence_read: fences.is_some(),
+            });
+        }
+        info!(?assignments, "Partitions assigned.");
+        self.push(Rebalanced::Assigned(assignments));
+        let result = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
+            _ => consumer.assign(tpl),
+        };
+        if let Err(error) = result {
+            error!(%error, "Assigning partitions failed.");
+        }
+    }
+
+    fn on_revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        let partitions: Vec<i32> = tpl
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        info!(?partitions, "Partitions revoked.");
+        self.push(Rebalanced::Revoked(partitions));
+        let result = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
+            _ => consumer.unassign(),
+        };
+        if let Err(error) = result {
+            warn!(%error, "Unassigning partitions failed.");
+        }
+    }
+}
+
+impl ClientContext for TallyContext {}
+
+impl ConsumerContext for TallyContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.on_assign(consumer, tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.on_revoke(consumer, tpl),
+            other => {
+                error!(error = ?other, "Rebalance failed; dropping the assignment.");
+                self.push(Rebalanced::Lost);
+                if let Err(error) = consumer.unassign() {
+                    warn!(%error, "Unassigning after a failed rebalance failed.");
+                }
+            }
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(error) = result {
+            crate::metrics::commit_failed();
+            debug!(%error, "Offset commit failed (the fence in Redis stays authoritative).");
+        }
+    }
+}
+
+/// The consumer type tally runs.
+pub type LikeConsumer = StreamConsumer<TallyContext>;
+
+/// Base librdkafka settings shared by tally's consumers and producers.
+pub fn client_config(brokers: &str, extra: &[(String, String)]) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (key, value) in extra {
+        config.set(key, value);
+    }
+    config
+}
+
+/// Creates the group consumer: manual commits, nothing stored automatically.
+pub fn create_consumer(
+    brokers: &str,
+    group: &str,
+    extra: &[(String, String)],
+    context: TallyContext,
+) -> KafkaResult<LikeConsumer> {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", brokers)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        .set("client.id", "tally");
+    for (key, value) in extra {
+        config.set(key, value);
+    }
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    config.create_with_context(context)
+}
+
+/// Why the topic cannot be consumed.
+#[derive(Debug, thiserror::Error)]
+pub enum TopicError {
+    /// No broker answered.
+    #[error(
+        "cannot reach Kafka at {brokers}: {source} (is the broker running? check --brokers / TALLY_BROKERS)"
+    )]
+    Unreachable {
+        /// Bootstrap servers.
+        brokers: String,
+        /// The client error.
+        source: KafkaError,
+    },
+    /// The topic is absent.
+    #[error("topic '{topic}' does not exist on {brokers}; create it or fix --{flag}")]
+    Missing {
+        /// The topic.
+        topic: String,
+        /// Bootstrap servers.
+        brokers: String,
+        /// The flag naming it.
+        flag: &'static str,
+    },
+}
+
+/// Checks the brokers answer and the topic exists; returns its partition count.
+pub fn check_topic<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    brokers: &str,
+    topic: &str,
+    flag: &'static str,
+) -> Result<usize, TopicError> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|source| TopicError::Unreachable {
+            brokers: brokers.to_string(),
+            source,
+        })?;
+    let missing = || TopicError::Missing {
+        topic: topic.to_string(),
+        brokers: brokers.to_string(),
+        flag,
+    };
+    let found = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(missing)?;
+    if found.error().is_some() || found.partitions().is_empty() {
+        return Err(missing());
+    }
+    Ok(found.partitions().len())
+}

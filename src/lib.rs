@@ -1,0 +1,44 @@
+//! # tally
+//!
+//! Counts likes at internet scale: consumes like/unlike events from Kafka,
+//! sums them per (post, bucket) and applies each batch to Redis exactly once,
+//! behind a per-partition fence checked and advanced in the same Lua script.
+//!
+//! # Layout
+//!
+//! The data path, one module per stage:
+//!
+//! * [`consume`]: the Kafka group consumer; every assignment starts at the
+//!   partition's fence in Redis.
+//! * [`decode`]: message bytes to a validated like, or a bad-message reason.
+//! * [`aggregate`]: per-partition batches of net deltas per (post, bucket).
+//! * [`apply`] (with `apply.lua`): runs a batch behind its fence; states the
+//!   exactly-once argument.
+//! * [`commit`]: Kafka offset commits, only after the script succeeded.
+//!
+//! Around it:
+//!
+//! * [`fence`]: the pure apply / duplicate / straddle / gap decision.
+//! * [`routing`]: the stable hash, buckets and the Redis key layout.
+//! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
+//! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
+//! * [`config`], [`metrics`], [`retry`]: settings, metric names, backoff and
+//!   error classification.
+//! * [`proto`]: the generated `LikeEvent` type.
+//! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
+
+pub mod aggregate;
+pub mod apply;
+pub mod commit;
+pub mod config;
+pub mod consume;
+pub mod dead_letter;
+pub mod decode;
+pub mod demo;
+pub mod fence;
+pub mod generate;
+pub mod metrics;
+pub mod proto;
+pub mod retry;
+pub mod routing;
+pub mod run;
