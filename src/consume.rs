@@ -113,7 +113,15 @@ impl TallyContext {
                 fence_read: fences.is_some(),
             });
         }
-        info!(?assignments, "Partitions assigned.");
+        let resume: Vec<String> = assignments
+            .iter()
+            .map(|a| match (a.fence, a.fence_read) {
+                (Some(fence), _) => format!("{}@{}", a.partition, fence + 1),
+                (None, true) => format!("{}@committed", a.partition),
+                (None, false) => format!("{}@committed(fence unreadable)", a.partition),
+            })
+            .collect();
+        info!(partitions = %resume.join(" "), "Partitions assigned.");
         self.push(Rebalanced::Assigned(assignments));
         let result = match consumer.rebalance_protocol() {
             RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),

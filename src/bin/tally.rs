@@ -20,17 +20,22 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Consume like events and apply them to Redis, exactly once.
-    Run(RunConfig),
+    Run(Box<RunConfig>),
     /// Start a private broker, redis-server and traffic generator, and count live.
     Demo(tally::demo::DemoConfig),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The demo draws a table on stdout; keep its log to what needs attention.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn",
+        Command::Run(_) => "info,rdkafka=warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG")
-                .unwrap_or_else(|_| "info,rdkafka=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -49,7 +54,7 @@ fn main() -> ExitCode {
                 }
                 let shutdown = CancellationToken::new();
                 tokio::spawn(on_signal(shutdown.clone()));
-                tally::run::run(config, Arc::new(Stats::default()), shutdown)
+                tally::run::run(*config, Arc::new(Stats::default()), shutdown)
                     .await
                     .map_err(|e| e.to_string())
             }
