@@ -212,6 +212,10 @@ impl Pipeline {
                     match received {
                         Ok(message) => {
                             let (partition, offset) = (message.partition(), message.offset());
+                            let changes = self.consumer.context().take_changes();
+                            if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, changes) {
+                                self.blocked = false;
+                            }
                             let accepted = Self::accept(&mut self.owned, &self.consumer, &message, &self.config, &self.stats, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition, offset); }
@@ -226,15 +230,37 @@ impl Pipeline {
 
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
-        for change in self.consumer.context().take_changes() {
+        let changes = self.consumer.context().take_changes();
+        if Self::apply_changes(
+            &mut self.owned,
+            &mut self.committer,
+            &mut self.epochs,
+            changes,
+        ) {
+            self.blocked = false;
+        }
+    }
+
+    /// Applies ownership changes; `true` if there were any. Borrows only what
+    /// it changes, so it can run while a received message still borrows the
+    /// consumer: the callback that queued the changes ran inside that very
+    /// `recv()`, and the message may belong to a partition assigned by it.
+    fn apply_changes(
+        owned: &mut HashMap<i32, Owned>,
+        committer: &mut Committer,
+        epochs: &mut u64,
+        changes: Vec<Rebalanced>,
+    ) -> bool {
+        let any = !changes.is_empty();
+        for change in changes {
             match change {
                 Rebalanced::Assigned(assignments) => {
                     for a in assignments {
-                        self.epochs += 1;
-                        self.owned.insert(
+                        *epochs += 1;
+                        owned.insert(
                             a.partition,
                             Owned {
-                                epoch: self.epochs,
+                                epoch: *epochs,
                                 next: a.fence.map(|f| f + 1),
                                 expect_fence: a.fence.is_some(),
                                 batch: Batch::new(),
@@ -246,20 +272,20 @@ impl Pipeline {
                 }
                 Rebalanced::Revoked(partitions) => {
                     for p in partitions {
-                        self.owned.remove(&p);
-                        self.committer.forget(p);
+                        owned.remove(&p);
+                        committer.forget(p);
                     }
                 }
                 Rebalanced::Lost => {
-                    for p in self.owned.keys().copied().collect::<Vec<_>>() {
-                        self.committer.forget(p);
+                    for p in owned.keys().copied().collect::<Vec<_>>() {
+                        committer.forget(p);
                     }
-                    self.owned.clear();
+                    owned.clear();
                 }
             }
-            metrics::assigned(self.owned.len());
-            self.blocked = false;
+            metrics::assigned(owned.len());
         }
+        any
     }
 
     /// Adds one message to its partition's batch; `false` when it is not ours
