@@ -26,9 +26,12 @@
 //!   error classification.
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
+//! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
+//! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
 
 pub mod aggregate;
 pub mod apply;
+pub mod bench;
 pub mod commit;
 pub mod config;
 pub mod consume;
@@ -38,6 +41,7 @@ pub mod demo;
 pub mod fence;
 pub mod generate;
 pub mod metrics;
+pub mod produce;
 pub mod proto;
 pub mod retry;
 pub mod routing;

@@ -23,13 +23,17 @@ enum Command {
     Run(Box<RunConfig>),
     /// Start a private broker, redis-server and traffic generator, and count live.
     Demo(tally::demo::DemoConfig),
+    /// Produce synthetic like traffic into a topic, and the exact count every post should reach.
+    Produce(Box<tally::produce::ProduceConfig>),
+    /// Measure tally against a raw and a naive consumer on the same events, on private services.
+    Bench(Box<tally::bench::BenchConfig>),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo draws a table on stdout; keep its log to what needs attention.
     let default_filter = match cli.command {
-        Command::Demo(_) => "warn",
+        Command::Demo(_) | Command::Produce(_) | Command::Bench(_) => "warn",
         Command::Run(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -59,6 +63,12 @@ fn main() -> ExitCode {
                     .map_err(|e| e.to_string())
             }
             Command::Demo(config) => tally::demo::demo(config)
+                .await
+                .map_err(|e| format!("{e:#}")),
+            Command::Produce(config) => tally::produce::produce(*config)
+                .await
+                .map_err(|e| format!("{e:#}")),
+            Command::Bench(config) => tally::bench::bench(*config)
                 .await
                 .map_err(|e| format!("{e:#}")),
         }

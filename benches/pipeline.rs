@@ -1,0 +1,126 @@
+//! Micro-benchmarks of tally's CPU work per event, one core, no I/O.
+//!
+//! * `decode+aggregate`: [`tally::decode::decode`] of real encoded events plus
+//!   [`tally::aggregate::Batch::add`], closing batches at the default limits
+//!   (100,000 events or 10,000 counters), as the consumer does per partition.
+//!   Throughput is events.
+//! * `script call`: building the `EVALSHA` call of one closed batch the way
+//!   `Applier::prepare` does (which needs a connected `Applier`, so the same
+//!   steps are repeated here: one reused key buffer filled by
+//!   [`tally::routing::KeyLayout::write_counter_key`], then every argument
+//!   appended to a `redis::Cmd`), and packing it into the bytes sent to Redis.
+//!   Throughput is counter increments.
+//!
+//! Events come from [`tally::generate::Traffic`] with the benchmark's Zipf
+//! shape (s = 1.1 over 1,000,000 posts), so hash-map sizes and key lengths are
+//! the real ones.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use tally::aggregate::{Batch, ClosedBatch, Limits};
+use tally::config::DEFAULT_BUCKETS;
+use tally::generate::{Traffic, TrafficShape};
+use tally::routing::KeyLayout;
+
+const EVENTS: usize = 200_000;
+const LIMITS: Limits = Limits {
+    max_events: 100_000,
+    max_keys: 10_000,
+};
+
+fn encoded_events() -> Vec<Vec<u8>> {
+    let shape = TrafficShape {
+        posts: 1_000_000,
+        viral_share: 0.0,
+        ..TrafficShape::default()
+    };
+    let mut traffic = Traffic::new(shape, 42);
+    (0..EVENTS)
+        .map(|i| {
+            let e = traffic.next_event();
+            tally::decode::encode(e.post_id, e.user_id, e.action, 1_700_000_000_000 + i as i64)
+        })
+        .collect()
+}
+
+/// Aggregates `payloads` as one partition from offset 0; returns closed batches.
+fn aggregate(payloads: &[Vec<u8>], batch: &mut Batch, closed: &mut Vec<ClosedBatch>) {
+    for (offset, payload) in payloads.iter().enumerate() {
+        let offset = offset as i64;
+        match tally::decode::decode(Some(payload)) {
+            Ok(like) => batch.add(offset, offset, like, DEFAULT_BUCKETS),
+            Err(_) => batch.add_bad(offset, offset),
+        }
+        if batch.is_full(&LIMITS) {
+            closed.extend(batch.take());
+        }
+    }
+    closed.extend(batch.take());
+}
+
+/// The script call of one batch, built as `Applier::prepare` builds it.
+fn script_call(keys: &KeyLayout, fence_key: &str, batch: &ClosedBatch) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg("0123456789abcdef0123456789abcdef01234567")
+        .arg(batch.deltas.len() + 1)
+        .arg(fence_key);
+    let mut key = String::with_capacity(64);
+    for (id, _) in &batch.deltas {
+        keys.write_counter_key(&mut key, id.post_id, id.bucket);
+        cmd.arg(key.as_str());
+    }
+    cmd.arg(batch.start).arg(batch.last).arg("1");
+    for &(_, delta) in &batch.deltas {
+        cmd.arg(delta);
+    }
+    cmd
+}
+
+fn bench(c: &mut Criterion) {
+    let payloads = encoded_events();
+
+    let mut group = c.benchmark_group("decode+aggregate");
+    group.throughput(Throughput::Elements(EVENTS as u64));
+    let mut batch = Batch::new();
+    let mut closed = Vec::new();
+    group.bench_function("zipf 1.1, 1M posts, 16 buckets", |b| {
+        b.iter(|| {
+            closed.clear();
+            aggregate(black_box(&payloads), &mut batch, &mut closed);
+            black_box(closed.len())
+        })
+    });
+    group.bench_function("decode only", |b| {
+        b.iter(|| {
+            payloads
+                .iter()
+                .filter(|p| tally::decode::decode(Some(black_box(p))).is_ok())
+                .count()
+        })
+    });
+    group.finish();
+
+    // One full batch, as the consumer sends it.
+    closed.clear();
+    aggregate(&payloads, &mut Batch::new(), &mut closed);
+    let full = closed
+        .iter()
+        .max_by_key(|b| b.deltas.len())
+        .expect("at least one batch");
+    let keys = KeyLayout::new("tally");
+    let fence_key = keys.fence_key("tally", "likes", 3);
+    let mut group = c.benchmark_group("script call");
+    group.throughput(Throughput::Elements(full.deltas.len() as u64));
+    group.bench_function(format!("build, {} counters", full.deltas.len()), |b| {
+        b.iter(|| script_call(&keys, &fence_key, black_box(full)))
+    });
+    group.bench_function(
+        format!("build + pack, {} counters", full.deltas.len()),
+        |b| b.iter(|| script_call(&keys, &fence_key, black_box(full)).get_packed_command()),
+    );
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
