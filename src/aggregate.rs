@@ -140,7 +140,13 @@ impl Batch {
 impl ClosedBatch {
     /// An empty range at `next`: a probe of the fences.
     pub fn probe(next: i64) -> Self {
-        Self { start: next, last: next - 1, messages: 0, bad: 0, deltas: Vec::new() }
+        Self {
+            start: next,
+            last: next - 1,
+            messages: 0,
+            bad: 0,
+            deltas: Vec::new(),
+        }
     }
 
     /// Whether this is a probe.

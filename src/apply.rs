@@ -80,7 +80,9 @@ pub enum ConnectError {
         problem: String,
     },
     /// Redis could not be reached.
-    #[error("cannot reach Redis at {url}: {source} (is redis-server running? check --redis / TALLY_REDIS)")]
+    #[error(
+        "cannot reach Redis at {url}: {source} (is redis-server running? check --redis / TALLY_REDIS)"
+    )]
     Unreachable {
         /// The URL as given, password removed.
         url: String,
@@ -137,7 +139,11 @@ impl PartitionFences {
     /// absent ones standing at `origin - 1`.
     pub fn tracker(&self) -> Option<(i64, crate::fence::Tracker)> {
         let origin = self.origin?;
-        let known = self.fences.iter().map(|f| f.unwrap_or(origin - 1)).collect();
+        let known = self
+            .fences
+            .iter()
+            .map(|f| f.unwrap_or(origin - 1))
+            .collect();
         Some((origin, crate::fence::Tracker::new(known)))
     }
 
@@ -202,7 +208,8 @@ impl Applier {
 
     /// The fence key of a partition's slot group.
     pub fn fence_key(&self, partition: i32, slot_group: u32) -> String {
-        self.keys.fence_key(&self.group, &self.topic, partition, slot_group)
+        self.keys
+            .fence_key(&self.group, &self.topic, partition, slot_group)
     }
 
     /// Records `proposed` as the partition's origin unless one exists, and
@@ -256,7 +263,9 @@ impl Applier {
         let (code, fence) = match reply {
             Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
                 crate::metrics::script_reloaded();
-                self.command(prepared, false).query_async(&mut store).await?
+                self.command(prepared, false)
+                    .query_async(&mut store)
+                    .await?
             }
             other => other?,
         };
@@ -318,7 +327,12 @@ impl Applier {
         let reads = (0..self.keys.groups().count()).map(|g| {
             let mut store = self.store.clone();
             let key = self.fence_key(partition, g);
-            async move { redis::cmd("GET").arg(key).query_async::<Option<i64>>(&mut store).await }
+            async move {
+                redis::cmd("GET")
+                    .arg(key)
+                    .query_async::<Option<i64>>(&mut store)
+                    .await
+            }
         });
         let fences = futures::future::try_join_all(reads).await?;
         Ok(PartitionFences { origin, fences })

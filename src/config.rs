@@ -79,7 +79,12 @@ pub struct RunConfig {
 
     /// Testing only: send the scripts of a batch one by one with this pause
     /// between them (milliseconds), so a crash can land between two scripts.
-    #[arg(long, env = "TALLY_TEST_SCRIPT_PAUSE_MS", default_value_t = 0, hide = true)]
+    #[arg(
+        long,
+        env = "TALLY_TEST_SCRIPT_PAUSE_MS",
+        default_value_t = 0,
+        hide = true
+    )]
     pub test_script_pause_ms: u64,
 
     /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000.
@@ -136,7 +141,10 @@ impl RunConfig {
             return Err(bad("redis", format!("'{shown}': {problem}")));
         }
         if !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384 {
-            return Err(bad("slot-groups", "must be a power of two between 1 and 16384"));
+            return Err(bad(
+                "slot-groups",
+                "must be a power of two between 1 and 16384",
+            ));
         }
         if self.buckets == 0 || self.buckets > 1 << 20 {
             return Err(bad("buckets", "must be between 1 and 1048576"));

@@ -112,7 +112,10 @@ impl TallyContext {
                 (None, Some(_)) => format!("{partition}@committed"),
                 (None, None) => format!("{partition}@committed(fences unreadable)"),
             });
-            assignments.push(Assignment { partition, fences: found });
+            assignments.push(Assignment {
+                partition,
+                fences: found,
+            });
         }
         info!(partitions = %resume.join(" "), "Partitions assigned.");
         self.push(Rebalanced::Assigned(assignments));

@@ -125,13 +125,22 @@ impl Tracker {
 
     /// Where reading must start so every group sees all its missing events.
     pub fn resume_at(&self) -> i64 {
-        self.known.iter().copied().min().expect("at least one group") + 1
+        self.known
+            .iter()
+            .copied()
+            .min()
+            .expect("at least one group")
+            + 1
     }
 
     /// Offsets at or below this are applied in at least one group; above it,
     /// in none. An event above it belongs to its group without a check.
     pub fn highest(&self) -> i64 {
-        self.known.iter().copied().max().expect("at least one group")
+        self.known
+            .iter()
+            .copied()
+            .max()
+            .expect("at least one group")
     }
 
     /// Whether an event at `offset` of `group` still needs applying.
@@ -184,7 +193,12 @@ mod tests {
 
     #[test]
     fn codes_round_trip() {
-        for d in [Decision::Apply, Decision::Duplicate, Decision::Straddle, Decision::Gap] {
+        for d in [
+            Decision::Apply,
+            Decision::Duplicate,
+            Decision::Straddle,
+            Decision::Gap,
+        ] {
             assert_eq!(Decision::from_code(d.code()), Some(d));
         }
         assert_eq!(Decision::from_code(9), None);
@@ -196,8 +210,22 @@ mod tests {
         assert_eq!(t.resume_at(), 5);
         assert!(t.needs(1, 5) && !t.needs(0, 5) && !t.needs(2, 12));
         assert_eq!(t.claim(1, 20), (5, 20));
-        assert!(t.record(1, 20, Reply { decision: Decision::Apply, fence: 4 }));
-        assert!(!t.record(0, 20, Reply { decision: Decision::Gap, fence: 3 }));
+        assert!(t.record(
+            1,
+            20,
+            Reply {
+                decision: Decision::Apply,
+                fence: 4
+            }
+        ));
+        assert!(!t.record(
+            0,
+            20,
+            Reply {
+                decision: Decision::Gap,
+                fence: 3
+            }
+        ));
         assert_eq!(t.resume_at(), 4);
     }
 
@@ -217,7 +245,9 @@ mod tests {
 
     impl Store {
         fn new() -> Self {
-            Self { groups: vec![(HashMap::new(), None); GROUPS as usize] }
+            Self {
+                groups: vec![(HashMap::new(), None); GROUPS as usize],
+            }
         }
         fn fence(&self, g: u32) -> i64 {
             self.groups[g as usize].1.unwrap_or(ORIGIN - 1)
@@ -249,7 +279,12 @@ mod tests {
         fn assigned(store: &Store, cuts: Vec<usize>) -> Self {
             let tracker = Tracker::new((0..GROUPS).map(|g| store.fence(g)).collect());
             let next = tracker.resume_at();
-            Self { tracker, next, cuts, turn: 0 }
+            Self {
+                tracker,
+                next,
+                cuts,
+                turn: 0,
+            }
         }
 
         /// Reads one batch and sends one script per group; `crash_after`
@@ -284,7 +319,11 @@ mod tests {
                 let reply = store.script(g, start, end, &per_group[g as usize]);
                 continues &= self.tracker.record(g, last, reply);
             }
-            self.next = if continues { last + 1 } else { self.tracker.resume_at() };
+            self.next = if continues {
+                last + 1
+            } else {
+                self.tracker.resume_at()
+            };
         }
     }
 

@@ -124,7 +124,9 @@ pub fn batch_done(
     histogram!(APPLY_SECONDS).record(took.as_secs_f64());
     histogram!(BATCH_MESSAGES).record(messages as f64);
     counter!(INCREMENTS).increment(increments as u64);
-    stats.increments.fetch_add(increments as u64, Ordering::Relaxed);
+    stats
+        .increments
+        .fetch_add(increments as u64, Ordering::Relaxed);
     if applied {
         counter!(EVENTS).increment(messages - bad);
         stats.messages.fetch_add(messages, Ordering::Relaxed);

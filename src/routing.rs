@@ -114,7 +114,9 @@ impl KeyLayout {
 
     /// Parses a counter key back into (post, bucket); `None` for any other key.
     pub fn parse_counter_key(&self, key: &str) -> Option<(u64, u32)> {
-        let rest = key.strip_prefix(self.prefix.as_str())?.strip_prefix(":likes:")?;
+        let rest = key
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(":likes:")?;
         let mut parts = rest.splitn(3, ':');
         let post = parts.next()?.parse().ok()?;
         let bucket = parts.next()?.parse().ok()?;

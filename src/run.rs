@@ -168,7 +168,8 @@ async fn send(
     abandon: &CancellationToken,
 ) -> Result<Vec<(u32, Reply, usize)>, ApplyError> {
     if pause.is_zero() {
-        let replies = futures::future::join_all(scripts.iter().map(|p| applier.apply(p, abandon))).await;
+        let replies =
+            futures::future::join_all(scripts.iter().map(|p| applier.apply(p, abandon))).await;
         scripts
             .iter()
             .zip(replies)
@@ -216,7 +217,10 @@ async fn establish(
         Some(origin) => origin,
         None => applier.origin(partition, start, abandon).await?,
     };
-    let fences = PartitionFences { origin: Some(origin), ..fences };
+    let fences = PartitionFences {
+        origin: Some(origin),
+        ..fences
+    };
     let known = fences.tracker().expect("origin is set");
     let fits = (0..applier.keys().groups().count()).all(|g| known.1.known(g) == start - 1);
     Ok((known, fits))
@@ -242,8 +246,13 @@ pub async fn run(
     let keys = KeyLayout::with_groups(&config.prefix, groups);
     let applier =
         Applier::connect(&config.redis, keys.clone(), &config.group, &config.topic).await?;
-    let fences = FenceReader::new(&config.redis, keys, &config.group, &config.topic)
-        .map_err(|problem| ConnectError::BadUrl { url: shown, problem })?;
+    let fences =
+        FenceReader::new(&config.redis, keys, &config.group, &config.topic).map_err(|problem| {
+            ConnectError::BadUrl {
+                url: shown,
+                problem,
+            }
+        })?;
     let consumer = consume::create_consumer(
         &config.brokers,
         &config.group,
@@ -335,6 +344,11 @@ impl Pipeline {
                     match received {
                         Ok(message) => {
                             let partition = message.partition();
+                            let changes = self.consumer.context().take_changes();
+                            let groups = self.applier.keys().groups().count() as usize;
+                            if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
+                                self.blocked = false;
+                            }
                             let accepted = Self::accept(&mut self.owned, self.applier.keys().groups(), &message, &self.config, &self.stats, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition); }
@@ -349,17 +363,41 @@ impl Pipeline {
 
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
+        let changes = self.consumer.context().take_changes();
         let groups = self.applier.keys().groups().count() as usize;
-        for change in self.consumer.context().take_changes() {
+        if Self::apply_changes(
+            &mut self.owned,
+            &mut self.committer,
+            &mut self.epochs,
+            groups,
+            changes,
+        ) {
+            self.blocked = false;
+        }
+    }
+
+    /// Applies ownership changes; `true` if there were any. Borrows only what
+    /// it changes, so it can run while a received message still borrows the
+    /// consumer: the callback that queued the changes ran inside that very
+    /// `recv()`, and the message may belong to a partition assigned by it.
+    fn apply_changes(
+        owned: &mut HashMap<i32, Owned>,
+        committer: &mut Committer,
+        epochs: &mut u64,
+        groups: usize,
+        changes: Vec<Rebalanced>,
+    ) -> bool {
+        let any = !changes.is_empty();
+        for change in changes {
             match change {
                 Rebalanced::Assigned(assignments) => {
                     for a in assignments {
-                        self.epochs += 1;
+                        *epochs += 1;
                         let known = a.fences.as_ref().and_then(PartitionFences::tracker);
-                        self.owned.insert(
+                        owned.insert(
                             a.partition,
                             Owned {
-                                epoch: self.epochs,
+                                epoch: *epochs,
                                 next: known.as_ref().map(|(_, t)| t.resume_at()),
                                 assigned: if known.is_some() { None } else { a.fences },
                                 known,
@@ -373,20 +411,20 @@ impl Pipeline {
                 }
                 Rebalanced::Revoked(partitions) => {
                     for p in partitions {
-                        self.owned.remove(&p);
-                        self.committer.forget(p);
+                        owned.remove(&p);
+                        committer.forget(p);
                     }
                 }
                 Rebalanced::Lost => {
-                    for p in self.owned.keys().copied().collect::<Vec<_>>() {
-                        self.committer.forget(p);
+                    for p in owned.keys().copied().collect::<Vec<_>>() {
+                        committer.forget(p);
                     }
-                    self.owned.clear();
+                    owned.clear();
                 }
             }
-            metrics::assigned(self.owned.len());
-            self.blocked = false;
+            metrics::assigned(owned.len());
         }
+        any
     }
 
     /// Adds one message to its partition's batch; `false` when it is not ours
@@ -415,7 +453,8 @@ impl Pipeline {
                     bucket: bucket_of(like.user_id, config.buckets),
                 };
                 let already_in = state.known.as_ref().is_some_and(|(_, t)| {
-                    offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
+                    offset <= t.highest()
+                        && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
                 });
                 if already_in {
                     state.batch.add_applied(start, offset);
@@ -479,10 +518,7 @@ impl Pipeline {
         for partition in ready {
             self.dispatch(partition);
         }
-        self.blocked = self
-            .owned
-            .values()
-            .any(|s| s.batch.is_full(&self.limits));
+        self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
     }
 
     /// Sends a partition's batch (or, when it has none, a probe of its fences)
@@ -545,10 +581,22 @@ impl Pipeline {
                     }
                 };
                 let replies = send(&applier, scripts, pause, &abandon).await?;
-                Ok(Finished::Scripts { established, replies })
+                Ok(Finished::Scripts {
+                    established,
+                    replies,
+                })
             }
             .await;
-            Done { partition, epoch, start, last, messages, bad, took: began.elapsed(), result }
+            Done {
+                partition,
+                epoch,
+                start,
+                last,
+                messages,
+                bad,
+                took: began.elapsed(),
+                result,
+            }
         }));
     }
 
@@ -570,17 +618,27 @@ impl Pipeline {
             Err(source) => return Err(RunError::Apply { partition, source }),
         };
         let probe = done.start > done.last;
-        let current = self.owned.get_mut(&partition).filter(|s| s.epoch == done.epoch);
+        let current = self
+            .owned
+            .get_mut(&partition)
+            .filter(|s| s.epoch == done.epoch);
         let (established, replies) = match finished {
             Finished::Resync { known } => {
                 metrics::batch_done(&self.stats, false, done.messages, done.bad, 0, done.took);
                 let Some(state) = current else { return Ok(()) };
                 let resume = known.1.resume_at();
                 state.known = Some(known);
-                info!(partition, resume, "Fences found ahead of or behind this read; re-reading from the lowest.");
+                info!(
+                    partition,
+                    resume,
+                    "Fences found ahead of or behind this read; re-reading from the lowest."
+                );
                 return self.resync(partition, resume);
             }
-            Finished::Scripts { established, replies } => (established, replies),
+            Finished::Scripts {
+                established,
+                replies,
+            } => (established, replies),
         };
         let increments: usize = replies
             .iter()
@@ -591,7 +649,14 @@ impl Pipeline {
             metrics::script_done(reply.decision, keys);
         }
         let Some(state) = current else {
-            metrics::batch_done(&self.stats, true, done.messages, done.bad, increments, done.took);
+            metrics::batch_done(
+                &self.stats,
+                true,
+                done.messages,
+                done.bad,
+                increments,
+                done.took,
+            );
             return Ok(());
         };
         state.verified_at = Instant::now();
@@ -604,7 +669,14 @@ impl Pipeline {
             continues &= tracker.record(group, done.last, reply);
         }
         if !probe || !continues {
-            metrics::batch_done(&self.stats, continues, done.messages, done.bad, increments, done.took);
+            metrics::batch_done(
+                &self.stats,
+                continues,
+                done.messages,
+                done.bad,
+                increments,
+                done.took,
+            );
         }
         if continues {
             if !probe {
@@ -634,10 +706,12 @@ impl Pipeline {
         let offset = Offset::Offset(resume);
         let mut last_error = None;
         for attempt in 0..5u64 {
-            match self
-                .consumer
-                .seek(&self.config.topic, partition, offset, Duration::from_secs(5))
-            {
+            match self.consumer.seek(
+                &self.config.topic,
+                partition,
+                offset,
+                Duration::from_secs(5),
+            ) {
                 Ok(()) => return Ok(()),
                 Err(error) => {
                     warn!(partition, attempt, %error, "Seek failed; retrying.");

@@ -30,7 +30,11 @@ pub fn crc16(bytes: &[u8]) -> u16 {
     for &byte in bytes {
         crc ^= u16::from(byte) << 8;
         for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
         }
     }
     crc
@@ -63,7 +67,10 @@ impl SlotGroups {
 
     /// `count` groups for a cluster; `count` must be a power of two ≤ 16,384.
     pub fn cluster(count: u32) -> Self {
-        assert!(count.is_power_of_two() && count <= u32::from(SLOTS), "slot groups: {count}");
+        assert!(
+            count.is_power_of_two() && count <= u32::from(SLOTS),
+            "slot groups: {count}"
+        );
         let spacing = u32::from(SLOTS) / count;
         // An odd stride permutes the groups, so neighbouring groups get far-apart slots.
         let stride = (count / 2 + count / 8) | 1;
@@ -86,7 +93,11 @@ impl SlotGroups {
         }
         let tags = targets
             .iter()
-            .map(|&s| tag_of_slot[s as usize].clone().expect("every target slot found"))
+            .map(|&s| {
+                tag_of_slot[s as usize]
+                    .clone()
+                    .expect("every target slot found")
+            })
             .collect();
         Self { tags }
     }

@@ -13,7 +13,9 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike as AsyncConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{
+    ConnectionLike as AsyncConnectionLike, ConnectionManager, ConnectionManagerConfig,
+};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ConnectionLike, Pipeline, RedisError, RedisFuture, Value};
@@ -30,7 +32,10 @@ pub enum Target {
 impl Target {
     /// Parses `--redis`.
     pub fn parse(url: &str) -> Result<Target, String> {
-        for (scheme, node_scheme) in [("redis+cluster://", "redis://"), ("rediss+cluster://", "rediss://")] {
+        for (scheme, node_scheme) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
             if let Some(rest) = url.strip_prefix(scheme) {
                 let (auth, hosts) = match rest.rsplit_once('@') {
                     Some((auth, hosts)) => (format!("{auth}@"), hosts),
@@ -81,7 +86,9 @@ impl Store {
                     .set_response_timeout(Some(Duration::from_secs(10)))
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_secs(2));
-                Ok(Store::Single(ConnectionManager::new_with_config(client, config).await?))
+                Ok(Store::Single(
+                    ConnectionManager::new_with_config(client, config).await?,
+                ))
             }
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
@@ -126,7 +133,10 @@ impl AsyncConnectionLike for Store {
 }
 
 /// A blocking connection, for the Kafka rebalance callback (which cannot await).
-pub fn connect_blocking(target: &Target, timeout: Duration) -> Result<Box<dyn ConnectionLike>, RedisError> {
+pub fn connect_blocking(
+    target: &Target,
+    timeout: Duration,
+) -> Result<Box<dyn ConnectionLike>, RedisError> {
     match target {
         Target::Single(url) => {
             let conn = redis::Client::open(url.as_str())?.get_connection_with_timeout(timeout)?;
@@ -151,7 +161,10 @@ mod tests {
 
     #[test]
     fn urls_name_a_server_or_a_cluster() {
-        assert_eq!(Target::parse("redis://h:1/").unwrap(), Target::Single("redis://h:1/".into()));
+        assert_eq!(
+            Target::parse("redis://h:1/").unwrap(),
+            Target::Single("redis://h:1/".into())
+        );
         assert_eq!(
             Target::parse("redis+cluster://u:p@a:1,b:2/").unwrap(),
             Target::Cluster(vec!["redis://u:p@a:1".into(), "redis://u:p@b:2".into()])

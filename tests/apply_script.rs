@@ -41,7 +41,12 @@ fn apply_duplicate_straddle_and_gap() {
     let redis = RedisServer::start();
     let rt = runtime();
     let applier = rt
-        .block_on(Applier::connect(&redis.url(), KeyLayout::new("t"), "g", "likes"))
+        .block_on(Applier::connect(
+            &redis.url(),
+            KeyLayout::new("t"),
+            "g",
+            "likes",
+        ))
         .unwrap();
     let mut conn = redis.conn();
     let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap();
@@ -50,43 +55,68 @@ fn apply_duplicate_straddle_and_gap() {
             .unwrap()
             .unwrap_or(0)
     };
-    let fence = |conn: &mut redis::Connection| -> Option<i64> { conn.get("t:fence:g:likes:0").unwrap() };
+    let fence =
+        |conn: &mut redis::Connection| -> Option<i64> { conn.get("t:fence:g:likes:0").unwrap() };
 
     // First batch: no fence yet, origin 0.
-    assert_eq!(apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])), reply(Decision::Apply, -1));
+    assert_eq!(
+        apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])),
+        reply(Decision::Apply, -1)
+    );
     assert_eq!((count(&mut conn, 1, 0), count(&mut conn, 1, 3)), (5, -1));
     assert_eq!(fence(&mut conn), Some(9));
 
     // The same batch again (a retry after a lost reply): nothing changes.
-    assert_eq!(apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])), reply(Decision::Duplicate, 9));
+    assert_eq!(
+        apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])),
+        reply(Decision::Duplicate, 9)
+    );
     assert_eq!(count(&mut conn, 1, 0), 5);
 
     // A range cut differently that straddles the fence is refused whole.
-    assert_eq!(apply(&script(5, 14, -1, &[(1, 0, 100)])), reply(Decision::Straddle, 9));
+    assert_eq!(
+        apply(&script(5, 14, -1, &[(1, 0, 100)])),
+        reply(Decision::Straddle, 9)
+    );
     assert_eq!(count(&mut conn, 1, 0), 5);
     assert_eq!(fence(&mut conn), Some(9));
 
     // A range past a hole (Redis lost writes) is refused: replay from the fence.
-    assert_eq!(apply(&script(20, 29, -1, &[(1, 0, 100)])), reply(Decision::Gap, 9));
+    assert_eq!(
+        apply(&script(20, 29, -1, &[(1, 0, 100)])),
+        reply(Decision::Gap, 9)
+    );
     assert_eq!(count(&mut conn, 1, 0), 5);
 
     // The continuation applies; a range of only bad or cancelling events still
     // moves the fence; an empty range probes.
-    assert_eq!(apply(&script(10, 19, -1, &[(2, 1, 1)])), reply(Decision::Apply, 9));
+    assert_eq!(
+        apply(&script(10, 19, -1, &[(2, 1, 1)])),
+        reply(Decision::Apply, 9)
+    );
     assert_eq!(apply(&script(20, 24, -1, &[])), reply(Decision::Apply, 19));
-    assert_eq!(apply(&script(25, 24, -1, &[])), reply(Decision::Duplicate, 24));
+    assert_eq!(
+        apply(&script(25, 24, -1, &[])),
+        reply(Decision::Duplicate, 24)
+    );
     assert_eq!(fence(&mut conn), Some(24));
     assert_eq!(count(&mut conn, 2, 1), 1);
 
     // The fence vanished (its primary lost it): it stands at origin - 1.
     let _: () = conn.del("t:fence:g:likes:0").unwrap();
-    assert_eq!(apply(&script(25, 30, -1, &[(2, 1, 1)])), reply(Decision::Gap, -1));
+    assert_eq!(
+        apply(&script(25, 30, -1, &[(2, 1, 1)])),
+        reply(Decision::Gap, -1)
+    );
     assert_eq!(apply(&script(25, 24, -1, &[])), reply(Decision::Gap, -1));
     assert_eq!(count(&mut conn, 2, 1), 1);
 
     // Nothing but counters matches the read pattern.
     let keys: Vec<String> = conn.keys("t:likes:*").unwrap();
-    assert!(keys.iter().all(|k| KeyLayout::new("t").parse_counter_key(k).is_some()));
+    assert!(
+        keys.iter()
+            .all(|k| KeyLayout::new("t").parse_counter_key(k).is_some())
+    );
 }
 
 #[test]
@@ -94,14 +124,25 @@ fn script_is_reloaded_after_script_flush() {
     let redis = RedisServer::start();
     let rt = runtime();
     let applier = rt
-        .block_on(Applier::connect(&redis.url(), KeyLayout::new("f"), "g", "likes"))
+        .block_on(Applier::connect(
+            &redis.url(),
+            KeyLayout::new("f"),
+            "g",
+            "likes",
+        ))
         .unwrap();
     let mut conn = redis.conn();
     let first = script(0, 0, -1, &[(7, 0, 1)]);
-    assert_eq!(rt.block_on(applier.apply_once(&first)).unwrap().decision, Decision::Apply);
+    assert_eq!(
+        rt.block_on(applier.apply_once(&first)).unwrap().decision,
+        Decision::Apply
+    );
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
     let second = script(1, 1, -1, &[(7, 0, 1)]);
-    assert_eq!(rt.block_on(applier.apply_once(&second)).unwrap().decision, Decision::Apply);
+    assert_eq!(
+        rt.block_on(applier.apply_once(&second)).unwrap().decision,
+        Decision::Apply
+    );
     let value: i64 = conn.get("f:likes:7:0").unwrap();
     assert_eq!(value, 2);
 }
@@ -111,7 +152,12 @@ fn origin_is_set_once() {
     let redis = RedisServer::start();
     let rt = runtime();
     let applier = rt
-        .block_on(Applier::connect(&redis.url(), KeyLayout::new("o"), "g", "likes"))
+        .block_on(Applier::connect(
+            &redis.url(),
+            KeyLayout::new("o"),
+            "g",
+            "likes",
+        ))
         .unwrap();
     assert_eq!(rt.block_on(applier.ensure_origin(2, 40)).unwrap(), 40);
     assert_eq!(rt.block_on(applier.ensure_origin(2, 7)).unwrap(), 40);
@@ -125,7 +171,12 @@ fn lua_agrees_with_the_decision_table() {
     let redis = RedisServer::start();
     let rt = runtime();
     let applier = rt
-        .block_on(Applier::connect(&redis.url(), KeyLayout::new("m"), "g", "likes"))
+        .block_on(Applier::connect(
+            &redis.url(),
+            KeyLayout::new("m"),
+            "g",
+            "likes",
+        ))
         .unwrap();
     let conn = std::cell::RefCell::new(redis.conn());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
@@ -144,7 +195,9 @@ fn lua_agrees_with_the_decision_table() {
                 }
             }
             let _: () = conn.set("m:likes:1:0", 0).unwrap();
-            let got = rt.block_on(applier.apply_once(&script(start, last, absent, &[(1, 0, 3)]))).unwrap();
+            let got = rt
+                .block_on(applier.apply_once(&script(start, last, absent, &[(1, 0, 3)])))
+                .unwrap();
             let effective = fence.unwrap_or(absent);
             let want = decide(effective, start, last);
             prop_assert_eq!(got, reply(want, effective));

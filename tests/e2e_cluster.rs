@@ -47,7 +47,13 @@ fn setup(name: &str, events: usize) -> Run {
 }
 
 fn args(run: &Run, cluster: &RedisCluster, extra: &[&str]) -> Vec<String> {
-    let mut args = tally_args(&run.brokers, &run.topic, &run.group, &cluster.url(), &run.prefix);
+    let mut args = tally_args(
+        &run.brokers,
+        &run.topic,
+        &run.group,
+        &cluster.url(),
+        &run.prefix,
+    );
     args.extend(["--slot-groups", &GROUPS.to_string()].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     args
@@ -71,15 +77,27 @@ fn keep_producing(run: &mut Run, chunk: usize) -> (Arc<AtomicBool>, thread::Join
 
 fn finish(run: &Run, cluster: &RedisCluster, workload: &Workload, tallies: &mut [&mut Tally]) {
     let hwms = high_watermarks(&run.brokers, &run.topic);
-    cluster.wait_applied(&run.prefix, &run.group, &run.topic, &hwms, GROUPS, Duration::from_secs(180), || {
-        for t in tallies.iter_mut() {
-            t.assert_running();
-        }
-    });
+    cluster.wait_applied(
+        &run.prefix,
+        &run.group,
+        &run.topic,
+        &hwms,
+        GROUPS,
+        Duration::from_secs(180),
+        || {
+            for t in tallies.iter_mut() {
+                t.assert_running();
+            }
+        },
+    );
     let counts = cluster.read_counts(&run.prefix);
     assert_counts_eq(&counts, &workload.truth);
     for t in tallies.iter_mut() {
-        assert!(!t.log_text().contains("CROSSSLOT"), "CROSSSLOT in log:\n{}", t.log_tail(30));
+        assert!(
+            !t.log_text().contains("CROSSSLOT"),
+            "CROSSSLOT in log:\n{}",
+            t.log_tail(30)
+        );
         let status = t.sigterm_and_wait(Duration::from_secs(30));
         assert!(status.success(), "exit {status}:\n{}", t.log_tail(30));
     }
@@ -178,7 +196,13 @@ fn killed_between_the_scripts_of_a_batch_counts_exactly() {
         tally.assert_running();
         tally.kill9();
         eprintln!("[e2e_cluster] kill {kill}");
-        tally = Tally::spawn_args(&format!("tally-{}", kill + 1), &args(&run, &cluster, &extra));
+        // Let the broker expire the dead member first: Tansu 0.6 does not hand an
+        // expired member's partitions to the members that remain.
+        thread::sleep(Duration::from_secs(7));
+        tally = Tally::spawn_args(
+            &format!("tally-{}", kill + 1),
+            &args(&run, &cluster, &extra),
+        );
     }
     stop.store(true, Ordering::SeqCst);
     let workload = producer.join().unwrap();

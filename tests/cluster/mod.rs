@@ -31,7 +31,9 @@ fn bin(name: &str) -> PathBuf {
         .map(|d| d.join(name))
         .find(|p| p.is_file())
         .unwrap_or_else(|| {
-            panic!("{name} is not installed; run: apt-get update && apt-get install -y redis-server")
+            panic!(
+                "{name} is not installed; run: apt-get update && apt-get install -y redis-server"
+            )
         })
 }
 
@@ -51,14 +53,19 @@ fn cluster_port(taken: &[u16]) -> u16 {
 
 fn conn(port: u16) -> redis::Connection {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
-    let conn = client.get_connection_with_timeout(Duration::from_secs(2)).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     conn
 }
 
 fn try_conn(port: u16) -> Option<redis::Connection> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).ok()?;
-    let conn = client.get_connection_with_timeout(Duration::from_millis(500)).ok()?;
+    let conn = client
+        .get_connection_with_timeout(Duration::from_millis(500))
+        .ok()?;
     conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     Some(conn)
 }
@@ -70,8 +77,20 @@ impl Node {
             .arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
-            .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
-            .args(["--cluster-node-timeout", "2000", "--appendonly", "yes", "--appendfsync", "everysec"])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args([
+                "--cluster-node-timeout",
+                "2000",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+            ])
             .arg("--dir")
             .arg(&self.dir)
             .stdin(Stdio::null())
@@ -108,7 +127,10 @@ impl Node {
 impl RedisCluster {
     /// `primaries` primaries with `replicas` replicas each.
     pub fn start(primaries: usize, replicas: usize) -> RedisCluster {
-        let dir = tempfile::Builder::new().prefix("cluster-").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("cluster-")
+            .tempdir()
+            .unwrap();
         let mut ports = Vec::new();
         let mut nodes = Vec::new();
         for _ in 0..primaries * (1 + replicas) {
@@ -116,7 +138,11 @@ impl RedisCluster {
             ports.push(port);
             let node_dir = dir.path().join(port.to_string());
             std::fs::create_dir_all(&node_dir).unwrap();
-            let mut node = Node { port, dir: node_dir, child: None };
+            let mut node = Node {
+                port,
+                dir: node_dir,
+                child: None,
+            };
             node.start();
             nodes.push(node);
         }
@@ -129,7 +155,11 @@ impl RedisCluster {
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create");
-        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
         let cluster = RedisCluster { nodes, _dir: dir };
         cluster.wait_ok();
         eprintln!("[cluster] {} nodes up: {ports:?}", ports.len());
@@ -138,7 +168,11 @@ impl RedisCluster {
 
     /// `redis+cluster://` URL naming every node.
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
         format!("redis+cluster://{}", hosts.join(","))
     }
 
@@ -148,7 +182,12 @@ impl RedisCluster {
         loop {
             let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
                 try_conn(n.port)
-                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c).ok())
+                    .and_then(|mut c| {
+                        redis::cmd("CLUSTER")
+                            .arg("INFO")
+                            .query::<String>(&mut c)
+                            .ok()
+                    })
                     .is_some_and(|info| info.contains("cluster_state:ok"))
             });
             if ok {
@@ -161,8 +200,15 @@ impl RedisCluster {
 
     /// Ports of the nodes that are primaries now, with their node ids.
     pub fn primaries(&self) -> Vec<(u16, String)> {
-        let live = self.nodes.iter().find(|n| n.child.is_some()).expect("a live node");
-        let text: String = redis::cmd("CLUSTER").arg("NODES").query(&mut conn(live.port)).unwrap();
+        let live = self
+            .nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .expect("a live node");
+        let text: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query(&mut conn(live.port))
+            .unwrap();
         text.lines()
             .filter(|l| l.contains("master") && !l.contains("fail"))
             .filter_map(|l| {
@@ -176,7 +222,10 @@ impl RedisCluster {
     }
 
     pub fn node_mut(&mut self, port: u16) -> &mut Node {
-        self.nodes.iter_mut().find(|n| n.port == port).expect("known node")
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("known node")
     }
 
     /// Restarts a killed node on its port and directory (reloading its AOF).
@@ -187,7 +236,10 @@ impl RedisCluster {
     /// SCRIPT FLUSH on every primary.
     pub fn script_flush_all(&self) {
         for (port, _) in self.primaries() {
-            let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn(port)).unwrap();
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut conn(port))
+                .unwrap();
         }
     }
 
@@ -197,13 +249,24 @@ impl RedisCluster {
         let out = Command::new(bin("redis-cli"))
             .args(["--cluster", "reshard", &format!("127.0.0.1:{any}")])
             .args(["--cluster-from", from, "--cluster-to", to])
-            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes", "--cluster-pipeline", "100"])
+            .args([
+                "--cluster-slots",
+                &slots.to_string(),
+                "--cluster-yes",
+                "--cluster-pipeline",
+                "100",
+            ])
             .output()
             .expect("redis-cli --cluster reshard");
         assert!(
             out.status.success(),
             "reshard failed: {}\n{}",
-            String::from_utf8_lossy(&out.stdout).lines().rev().take(10).collect::<Vec<_>>().join("\n"),
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .rev()
+                .take(10)
+                .collect::<Vec<_>>()
+                .join("\n"),
             String::from_utf8_lossy(&out.stderr)
         );
     }
@@ -243,14 +306,30 @@ impl RedisCluster {
         let head = format!("{prefix}:likes:");
         let mut counts = HashMap::new();
         for (key, value) in self.scan(&format!("{prefix}:likes:*")) {
-            let post: u64 = key.strip_prefix(&head).unwrap().split(':').next().unwrap().parse().unwrap();
+            let post: u64 = key
+                .strip_prefix(&head)
+                .unwrap()
+                .split(':')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
             *counts.entry(post).or_insert(0) += value.parse::<i64>().unwrap();
         }
         counts
     }
 
     /// Waits until, for every partition with messages, all `groups` fences hold its last offset.
-    pub fn wait_applied(&self, prefix: &str, group: &str, topic: &str, hwms: &[i64], groups: usize, timeout: Duration, mut check: impl FnMut()) {
+    pub fn wait_applied(
+        &self,
+        prefix: &str,
+        group: &str,
+        topic: &str,
+        hwms: &[i64],
+        groups: usize,
+        timeout: Duration,
+        mut check: impl FnMut(),
+    ) {
         let started = Instant::now();
         loop {
             let fences = self.scan(&format!("{prefix}:fence:{group}:{topic}:*"));
@@ -269,11 +348,18 @@ impl RedisCluster {
                 }
             }
             if behind.is_empty() {
-                eprintln!("[cluster] applied after {:.1} s", started.elapsed().as_secs_f64());
+                eprintln!(
+                    "[cluster] applied after {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
                 return;
             }
             check();
-            assert!(started.elapsed() < timeout, "not applied within {timeout:?}: {}", behind.join(", "));
+            assert!(
+                started.elapsed() < timeout,
+                "not applied within {timeout:?}: {}",
+                behind.join(", ")
+            );
             thread::sleep(Duration::from_millis(300));
         }
     }

@@ -1,0 +1,120 @@
+# Shell helpers shared by the project's scripts: install what is missing, and run a private
+# Tansu broker on a free loopback port. Source it; it defines functions only.
+
+# Prints a progress line on stderr.
+say() {
+    printf '[%s] %s\n' "$(basename "$0")" "$*" >&2
+}
+
+# Runs a command as root (directly, or through sudo when this user is not root).
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    else
+        sudo "$@"
+    fi
+}
+
+# Installs Debian's redis-server when it is not on PATH.
+ensure_redis() {
+    if command -v redis-server >/dev/null 2>&1; then
+        return
+    fi
+    say "redis-server not found: installing it with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # The package starts a system-wide instance on 6379; the tests use private ones only.
+    if command -v systemctl >/dev/null 2>&1; then
+        as_root systemctl disable --now redis-server >/dev/null 2>&1 || true
+    fi
+    say "installed $(redis-server --version)"
+}
+
+# Path of the tansu binary, or nothing.
+tansu_path() {
+    if [ -x "$HOME/.cargo/bin/tansu" ]; then
+        echo "$HOME/.cargo/bin/tansu"
+    else
+        command -v tansu 2>/dev/null || true
+    fi
+}
+
+# Installs the Tansu broker (a Kafka-compatible broker written in Rust) with cargo when missing.
+ensure_tansu() {
+    if [ -n "$(tansu_path)" ]; then
+        return
+    fi
+    say "tansu not found: cargo install tansu --version 0.6.0 --features dynostore --locked"
+    say "(about 25 minutes on a 2-core machine the first time)"
+    cargo install tansu --version 0.6.0 --features dynostore --locked
+}
+
+# True when nothing accepts connections on 127.0.0.1:$1.
+port_is_free() {
+    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# A free loopback port in 20000..44999.
+pick_port() {
+    local port tries=0
+    while [ "$tries" -lt 200 ]; do
+        port=$((20000 + RANDOM % 25000))
+        if port_is_free "$port"; then
+            echo "$port"
+            return
+        fi
+        tries=$((tries + 1))
+    done
+    say "no free port found in 20000..44999"
+    return 1
+}
+
+# Starts a Tansu broker with in-memory storage on a free port and waits until it accepts
+# connections. Sets TANSU_PID, TANSU_PORT and TANSU_LOG.
+start_tansu() {
+    local tansu attempt waited
+    tansu=$(tansu_path)
+    TANSU_LOG=$(mktemp "${TMPDIR:-/tmp}/tansu-broker.XXXXXX.log")
+    for attempt in 1 2 3; do
+        TANSU_PORT=$(pick_port)
+        RUST_LOG="${TALLY_TEST_TANSU_LOG:-warn,tansu_broker::coordinator=info}" "$tansu" broker \
+            --listener-url "tcp://127.0.0.1:$TANSU_PORT" \
+            --advertised-listener-url "tcp://127.0.0.1:$TANSU_PORT" \
+            --storage-engine memory://tansu/ \
+            </dev/null >>"$TANSU_LOG" 2>&1 &
+        TANSU_PID=$!
+        waited=0
+        while [ "$waited" -lt 600 ]; do
+            if ! kill -0 "$TANSU_PID" 2>/dev/null; then
+                break
+            fi
+            if ! port_is_free "$TANSU_PORT"; then
+                say "Tansu broker (pid $TANSU_PID) listening on 127.0.0.1:$TANSU_PORT, log $TANSU_LOG"
+                return 0
+            fi
+            sleep 0.1
+            waited=$((waited + 1))
+        done
+        say "Tansu broker did not start on port $TANSU_PORT (attempt $attempt):"
+        tail -n 20 "$TANSU_LOG" >&2 || true
+        kill -9 "$TANSU_PID" 2>/dev/null || true
+        wait "$TANSU_PID" 2>/dev/null || true
+        TANSU_PID=
+    done
+    return 1
+}
+
+# Stops the broker started by start_tansu, if any.
+stop_tansu() {
+    if [ -n "${TANSU_PID:-}" ]; then
+        kill "$TANSU_PID" 2>/dev/null || true
+        local i=0
+        while kill -0 "$TANSU_PID" 2>/dev/null && [ "$i" -lt 50 ]; do
+            sleep 0.1
+            i=$((i + 1))
+        done
+        kill -9 "$TANSU_PID" 2>/dev/null || true
+        wait "$TANSU_PID" 2>/dev/null || true
+        TANSU_PID=
+    fi
+}

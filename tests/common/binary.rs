@@ -1,0 +1,205 @@
+//! The `tally` binary under test, as a child process the test can signal.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::process::{Guarded, file_tail, log_dir, signal};
+
+/// A running `tally run ...`; its output goes to a log file whose tail is printed when a test
+/// fails. Killed on drop.
+pub struct Tally {
+    name: String,
+    proc: Option<Guarded>,
+    status: Option<ExitStatus>,
+    log: PathBuf,
+    dir: Option<TempDir>,
+}
+
+/// The arguments every test passes to `tally run`: addresses, names, and quick rebalances.
+/// `auto.offset.reset=earliest` is explicit so a new group reads the backlog whatever the default.
+pub fn tally_args(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    redis_url: &str,
+    prefix: &str,
+) -> Vec<String> {
+    [
+        "--brokers",
+        brokers,
+        "--topic",
+        topic,
+        "--group",
+        group,
+        "--redis",
+        redis_url,
+        "--prefix",
+        prefix,
+        "-X",
+        "session.timeout.ms=6000",
+        "-X",
+        "heartbeat.interval.ms=1000",
+        "-X",
+        "auto.offset.reset=earliest",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+impl Tally {
+    pub fn spawn(args: &[&str]) -> Tally {
+        Self::spawn_named("tally", args)
+    }
+
+    /// Like `spawn`, with owned arguments.
+    pub fn spawn_args(name: &str, args: &[String]) -> Tally {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::spawn_named(name, &args)
+    }
+
+    /// `name` labels progress lines and log tails (e.g. "consumer-a").
+    pub fn spawn_named(name: &str, args: &[&str]) -> Tally {
+        let dir = log_dir("tally-");
+        let log = dir.path().join(format!("{name}.log"));
+        let file = File::create(&log).expect("create tally log");
+        let bin = std::env::var_os("TALLY_TEST_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")));
+        let mut cmd = Command::new(bin);
+        cmd.arg("run")
+            .args(args)
+            .current_dir(dir.path())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        let proc = Guarded::spawn(&mut cmd).expect("spawn tally");
+        eprintln!(
+            "[harness] {name} started (pid {}): {}",
+            proc.pid(),
+            args.join(" ")
+        );
+        Tally {
+            name: name.to_string(),
+            proc: Some(proc),
+            status: None,
+            log,
+            dir: Some(dir),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc.as_ref().expect("process already gone").pid()
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        file_tail(&self.log, lines)
+    }
+
+    pub fn log_text(&self) -> String {
+        file_tail(&self.log, usize::MAX)
+    }
+
+    /// Exit status if the process has exited.
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none()
+            && let Some(p) = self.proc.as_mut()
+            && let Ok(Some(status)) = p.child.try_wait()
+        {
+            p.release_watchdog();
+            self.status = Some(status);
+        }
+        self.status
+    }
+
+    /// Panics with the log tail if the process has exited.
+    pub fn assert_running(&mut self) {
+        if let Some(status) = self.try_status() {
+            panic!(
+                "{} exited unexpectedly ({status}); log tail:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+        eprintln!("[harness] {} killed with SIGKILL", self.name);
+    }
+
+    pub fn sigstop(&self) {
+        signal(self.pid(), "STOP");
+        eprintln!("[harness] {} stopped (SIGSTOP)", self.name);
+    }
+
+    pub fn sigcont(&self) {
+        signal(self.pid(), "CONT");
+        eprintln!("[harness] {} continued (SIGCONT)", self.name);
+    }
+
+    /// SIGTERM, then wait up to `timeout` for the exit; panics with the log tail on timeout.
+    pub fn sigterm_and_wait(&mut self, timeout: Duration) -> ExitStatus {
+        if let Some(status) = self.try_status() {
+            panic!(
+                "{} had already exited ({status}) before SIGTERM; log tail:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
+        }
+        let start = Instant::now();
+        signal(self.pid(), "TERM");
+        loop {
+            if let Some(status) = self.try_status() {
+                eprintln!(
+                    "[harness] {} exited with {status} {:.1} s after SIGTERM",
+                    self.name,
+                    start.elapsed().as_secs_f64()
+                );
+                return status;
+            }
+            if start.elapsed() > timeout {
+                let tail = self.log_tail(40);
+                self.kill9();
+                panic!(
+                    "{} did not exit within {timeout:?} of SIGTERM; log tail:\n{tail}",
+                    self.name
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+        if thread::panicking() {
+            eprintln!(
+                "[harness] {} log tail ({}):\n{}",
+                self.name,
+                self.log.display(),
+                self.log_tail(40)
+            );
+            // keep the whole log for a post-mortem
+            if let Some(dir) = self.dir.take() {
+                let _ = dir.keep();
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! Shared harness for the integration tests: real services, a workload with its own ground truth,
+//! and a wrapper around the `tally` binary.
+//!
+//! # Services
+//! - Kafka: `brokers()` returns `TALLY_TEST_BROKERS` when `scripts/test` started a shared Tansu
+//!   broker, and otherwise starts one private Tansu broker per test process.
+//! - Redis: every test starts its own `redis-server` on a free loopback port (`RedisServer`).
+//!
+//! Every child process is paired with a small watchdog shell that holds a pipe from this process
+//! and SIGKILLs the child when that pipe closes, so nothing outlives a test binary, however it
+//! ends (panic, timeout, SIGKILL).
+//!
+//! # Ground truth
+//! Events are encoded by hand (`encode_like`) and the expected counts are computed here, so a
+//! test never trusts the code it checks.
+//!
+//! # Layout
+//! - `process`: children paired with a watchdog, and their log files.
+//! - `kafka`: the Tansu broker, topics, the producer, watermarks, topic readers.
+//! - `workload`: the hand-made event encoding, the workload generator, count comparison.
+//! - `redis_server`: private redis-server instances (with AOF), counters and fences.
+//! - `binary`: the `tally` process under test.
+//! - `metrics`: scraping and parsing its Prometheus endpoint.
+//! - here: ports, names, seeds and polling.
+
+// Each test binary uses a different part of the harness.
+#![allow(dead_code, unused_imports)]
+
+mod binary;
+mod kafka;
+mod metrics;
+mod process;
+mod redis_server;
+mod workload;
+
+use std::collections::HashSet;
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+pub use binary::*;
+pub use kafka::*;
+pub use metrics::*;
+pub use process::file_tail;
+pub use redis_server::*;
+pub use workload::*;
+
+/// A loopback port in 20000..45000 that was free a moment ago and was not handed out before by
+/// this process.
+pub fn free_port() -> u16 {
+    static GIVEN: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
+    let given = GIVEN.get_or_init(|| Mutex::new(HashSet::new()));
+    let mut rng = rand::rng();
+    for _ in 0..1000 {
+        let port: u16 = rng.random_range(20000..45000);
+        if given.lock().unwrap().contains(&port) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.lock().unwrap().insert(port);
+            return port;
+        }
+    }
+    panic!("no free loopback port found in 20000..45000");
+}
+
+/// `name` plus a random suffix, for topics, groups and key prefixes.
+pub fn unique(name: &str) -> String {
+    let n: u64 = rand::rng().random();
+    format!("{name}-{:012x}", n & 0xffff_ffff_ffff)
+}
+
+/// The seed for a test's random choices: `TALLY_TEST_SEED` or a fresh one, printed so a failing
+/// run can be replayed.
+pub fn seed(test: &str) -> u64 {
+    let seed = match std::env::var("TALLY_TEST_SEED") {
+        Ok(s) => s.parse().expect("TALLY_TEST_SEED must be a u64"),
+        Err(_) => rand::rng().random(),
+    };
+    eprintln!("[{test}] seed {seed} (rerun with TALLY_TEST_SEED={seed})");
+    seed
+}
+
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn port_open(port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )
+    .is_ok()
+}

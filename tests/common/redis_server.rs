@@ -1,0 +1,366 @@
+//! Redis side: private redis-server instances, and readers for counters and fences.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::free_port;
+use super::process::{Guarded, file_tail, log_dir};
+
+pub const REDIS_INSTALL: &str = "apt-get update && apt-get install -y redis-server";
+
+/// A private `redis-server` on a free loopback port; killed on drop.
+pub struct RedisServer {
+    port: u16,
+    aof: bool,
+    dir: TempDir,
+    proc: Option<Guarded>,
+    starts: u32,
+}
+
+fn redis_server_bin() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        .map(|d| d.join("redis-server"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("redis-server is not installed; run: {REDIS_INSTALL}"))
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        Self::start_inner(false)
+    }
+
+    /// With `appendonly yes` and `appendfsync everysec`, so `restart` reloads the AOF.
+    pub fn start_with_aof() -> RedisServer {
+        Self::start_inner(true)
+    }
+
+    fn start_inner(aof: bool) -> RedisServer {
+        let bin = redis_server_bin();
+        let dir = log_dir("redis-");
+        let mut server = RedisServer {
+            port: 0,
+            aof,
+            dir,
+            proc: None,
+            starts: 0,
+        };
+        for _ in 0..5 {
+            server.port = free_port();
+            if server.launch(&bin) {
+                return server;
+            }
+        }
+        panic!("could not start redis-server:\n{}", server.log_tail(20));
+    }
+
+    /// Starts redis-server on `self.port` and waits until it answers PING with loading done.
+    /// Returns false when the process exited (e.g. the port was taken).
+    fn launch(&mut self, bin: &Path) -> bool {
+        self.starts += 1;
+        let out = File::create(self.dir.path().join(format!("stdout-{}.log", self.starts)))
+            .expect("create redis stdout log");
+        let mut cmd = Command::new(bin);
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--logfile")
+            .arg(self.dir.path().join("redis.log"));
+        if self.aof {
+            cmd.args(["--appendonly", "yes", "--appendfsync", "everysec"]);
+        } else {
+            cmd.args(["--appendonly", "no"]);
+        }
+        let mut proc = Guarded::spawn(cmd.stdout(out.try_clone().unwrap()).stderr(out))
+            .expect("spawn redis-server");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(_)) = proc.child.try_wait() {
+                proc.release_watchdog();
+                return false;
+            }
+            if self.ready() {
+                self.proc = Some(proc);
+                return true;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "redis-server on {} not ready within 60 s:\n{}",
+                    self.port,
+                    self.log_tail(20)
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn ready(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_millis(500)) else {
+            return false;
+        };
+        let pong: redis::RedisResult<String> = redis::cmd("PING").query(&mut conn);
+        if pong.as_deref() != Ok("PONG") {
+            return false;
+        }
+        let info: redis::RedisResult<String> =
+            redis::cmd("INFO").arg("persistence").query(&mut conn);
+        matches!(info, Ok(text) if text.lines().any(|l| l.trim() == "loading:0"))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// SIGKILL, then wait until the process is gone.
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Starts again on the same port and directory (reloading the AOF, if enabled).
+    pub fn restart(&mut self) {
+        self.kill();
+        let bin = redis_server_bin();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.launch(&bin) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server could not restart on port {}:\n{}",
+                self.port,
+                self.log_tail(20)
+            );
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Cuts up to `bytes` off the end of the newest incremental AOF file, as if the machine had
+    /// gone down before its last writes reached the disk. Call between `kill` and `restart`;
+    /// redis-server drops the torn last command (or unfinished MULTI) when it loads the file.
+    /// Returns the number of bytes removed.
+    pub fn truncate_aof_tail(&self, bytes: u64) -> u64 {
+        assert!(
+            self.proc.is_none(),
+            "truncate the AOF only while redis-server is down"
+        );
+        let aof_dir = self.dir.path().join("appendonlydir");
+        let manifest = std::fs::read_dir(&aof_dir)
+            .expect("read appendonlydir")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|e| e == "manifest"))
+            .expect("AOF manifest");
+        let text = std::fs::read_to_string(&manifest).expect("read AOF manifest");
+        let incr = text
+            .lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let field = |k: &str| fields.iter().position(|f| *f == k).map(|i| fields[i + 1]);
+                (field("type") == Some("i")).then(|| field("file").map(str::to_string))?
+            })
+            .next_back()
+            .expect("an incremental AOF file in the manifest");
+        let path = aof_dir.join(incr);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open incremental AOF");
+        let len = file.metadata().expect("AOF metadata").len();
+        let cut = bytes.min(len);
+        file.set_len(len - cut).expect("truncate AOF");
+        cut
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        let client = redis::Client::open(self.url()).expect("redis url");
+        let conn = client
+            .get_connection_with_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("connect to redis on {}: {e}", self.port));
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("set read timeout");
+        conn
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        file_tail(&self.dir.path().join("redis.log"), lines)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if thread::panicking() && self.proc.is_some() {
+            eprintln!(
+                "[harness] redis-server :{} log tail:\n{}",
+                self.port,
+                self.log_tail(15)
+            );
+        }
+        self.kill();
+    }
+}
+
+/// Sums every `<prefix>:likes:<post_id>:<bucket>` key per post.
+pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i64> {
+    let pattern = format!("{prefix}:likes:*");
+    let head = format!("{prefix}:likes:");
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query(conn)
+            .expect("SCAN");
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    keys.sort();
+    keys.dedup();
+    let mut counts = HashMap::new();
+    for chunk in keys.chunks(500) {
+        let values: Vec<Option<String>> = redis::cmd("MGET").arg(chunk).query(conn).expect("MGET");
+        for (key, value) in chunk.iter().zip(values) {
+            let rest = key.strip_prefix(&head).unwrap();
+            let (post, bucket) = rest
+                .split_once(':')
+                .unwrap_or_else(|| panic!("unexpected counter key {key:?}"));
+            let post: u64 = post
+                .parse()
+                .unwrap_or_else(|_| panic!("bad post id in key {key:?}"));
+            let _bucket: u32 = bucket
+                .parse()
+                .unwrap_or_else(|_| panic!("bad bucket in key {key:?}"));
+            let Some(value) = value else { continue };
+            let value: i64 = value
+                .parse()
+                .unwrap_or_else(|_| panic!("counter {key:?} holds {value:?}, not an integer"));
+            *counts.entry(post).or_insert(0) += value;
+        }
+    }
+    counts
+}
+
+pub fn fence_key(prefix: &str, group: &str, topic: &str, partition: usize) -> String {
+    format!("{prefix}:fence:{group}:{topic}:{partition}")
+}
+
+/// Current fences of partitions `0..n` (None where the key is missing).
+pub fn read_fences(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    group: &str,
+    topic: &str,
+    n: usize,
+) -> Vec<Option<i64>> {
+    let keys: Vec<String> = (0..n).map(|p| fence_key(prefix, group, topic, p)).collect();
+    let values: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query(conn).expect("MGET");
+    values
+        .into_iter()
+        .zip(&keys)
+        .map(|(v, k)| {
+            v.map(|s| {
+                s.parse()
+                    .unwrap_or_else(|_| panic!("fence {k} holds {s:?}, not a decimal offset"))
+            })
+        })
+        .collect()
+}
+
+/// Waits until the fence of every partition with messages holds its last offset (`hwm - 1`).
+pub fn wait_applied(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    group: &str,
+    topic: &str,
+    hwms: &[i64],
+    timeout: Duration,
+) {
+    wait_applied_while(conn, prefix, group, topic, hwms, timeout, || {});
+}
+
+/// `wait_applied`, calling `check` on every poll (e.g. to fail fast when a consumer died).
+pub fn wait_applied_while(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    group: &str,
+    topic: &str,
+    hwms: &[i64],
+    timeout: Duration,
+    mut check: impl FnMut(),
+) {
+    let start = Instant::now();
+    let mut last_report = Instant::now();
+    loop {
+        let fences = read_fences(conn, prefix, group, topic, hwms.len());
+        let mut behind = Vec::new();
+        for (p, (&hwm, fence)) in hwms.iter().zip(&fences).enumerate() {
+            if hwm == 0 {
+                continue;
+            }
+            let want = hwm - 1;
+            match fence {
+                Some(f) if *f == want => {}
+                Some(f) if *f > want => panic!(
+                    "fence of partition {p} is {f}, beyond the last offset {want} (hwm {hwm})"
+                ),
+                other => behind.push((p, want, *other)),
+            }
+        }
+        if behind.is_empty() {
+            eprintln!(
+                "[harness] all {} partitions applied after {:.1} s",
+                hwms.len(),
+                start.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        let describe = |behind: &[(usize, i64, Option<i64>)]| {
+            behind
+                .iter()
+                .map(|(p, want, got)| match got {
+                    Some(g) => format!("p{p}: fence {g} / last {want} (lag {})", want - g),
+                    None => format!("p{p}: no fence / last {want}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        check();
+        if start.elapsed() > timeout {
+            panic!(
+                "not applied within {timeout:?}; {} partitions behind: {}",
+                behind.len(),
+                describe(&behind)
+            );
+        }
+        if last_report.elapsed() > Duration::from_secs(5) {
+            eprintln!("[harness] waiting for fences: {}", describe(&behind));
+            last_report = Instant::now();
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -1,0 +1,116 @@
+//! SIGKILL the consumer at random moments, again and again, while events keep arriving.
+//! Whatever a crash interrupted (a batch half sent, an offset not committed), the restarted
+//! consumer must end with every post's count exactly right.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const PARTITIONS: i32 = 8;
+const FIRST_WAVE: usize = 100_000;
+/// Events keep arriving at about CHUNK / PAUSE while the consumer crashes and restarts.
+const CHUNK: usize = 1_000;
+const PAUSE: Duration = Duration::from_millis(150);
+const KILLS: usize = 6;
+
+fn applied(conn: &mut redis::Connection, prefix: &str, group: &str, topic: &str) -> i64 {
+    read_fences(conn, prefix, group, topic, PARTITIONS as usize)
+        .iter()
+        .map(|f| f.map_or(0, |f| f + 1))
+        .sum()
+}
+
+#[test]
+fn repeated_sigkill_loses_and_doubles_nothing() {
+    let seed = seed("e2e_crash");
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x00c0_ffee);
+    let brokers = brokers();
+    let topic = unique("likes-crash");
+    let group = unique("tally-crash");
+    let prefix = unique("crash");
+    create_topic(&topic, PARTITIONS);
+    let redis = RedisServer::start();
+
+    let mut w = Workload::new(seed, PARTITIONS);
+    let first = w.grow(FIRST_WAVE);
+    produce(&brokers, &topic, w.messages(first));
+    eprintln!("[e2e_crash] first wave of {FIRST_WAVE} produced");
+
+    // A steady stream for the whole test, so every kill lands while batches are being applied.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut w = w;
+            while !stop.load(Ordering::SeqCst) {
+                let chunk = w.grow(CHUNK);
+                produce(&brokers, &topic, w.messages(chunk));
+                thread::sleep(PAUSE);
+            }
+            w
+        })
+    };
+
+    // Small batches: more scripts in flight, so a kill lands mid-apply more often.
+    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    args.extend(["--batch-max-events", "3000"].map(String::from));
+    let mut conn = redis.conn();
+    let mut tally = Tally::spawn_args("tally-1", &args);
+    for kill in 1..=KILLS {
+        // Kill only once this process is applying, at a random moment after that.
+        let at_start = applied(&mut conn, &prefix, &group, &topic);
+        let started = Instant::now();
+        wait_for(
+            "the restarted consumer to apply",
+            Duration::from_secs(60),
+            || {
+                tally.assert_running();
+                (applied(&mut conn, &prefix, &group, &topic) > at_start).then_some(())
+            },
+        );
+        let active_after = started.elapsed();
+        let pause = Duration::from_millis(rng.random_range(300..3000));
+        thread::sleep(pause);
+        tally.assert_running();
+        let now = applied(&mut conn, &prefix, &group, &topic);
+        eprintln!(
+            "[e2e_crash] kill {kill}/{KILLS}: applying {:.1} s after start, killed {:.1} s later; {now} messages behind fences",
+            active_after.as_secs_f64(),
+            pause.as_secs_f64()
+        );
+        tally.kill9();
+        tally = Tally::spawn_args(&format!("tally-{}", kill + 1), &args);
+    }
+    stop.store(true, Ordering::SeqCst);
+    let w = producer.join().expect("producer thread");
+    eprintln!("[e2e_crash] {}", w.describe());
+
+    let hwms = high_watermarks(&brokers, &topic);
+    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let started = Instant::now();
+    wait_applied_while(
+        &mut conn,
+        &prefix,
+        &group,
+        &topic,
+        &hwms,
+        Duration::from_secs(150),
+        || tally.assert_running(),
+    );
+    eprintln!(
+        "[e2e_crash] caught up {:.1} s after the producer stopped",
+        started.elapsed().as_secs_f64()
+    );
+
+    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success(), "tally exited with {status} after SIGTERM");
+}

@@ -1,0 +1,75 @@
+//! One consumer, a 200k-event backlog with unlikes and a viral post: every post's count must
+//! equal the ground truth exactly, and SIGTERM must end the process cleanly.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const EVENTS: usize = 200_000;
+const PARTITIONS: i32 = 8;
+
+#[test]
+fn one_consumer_counts_200k_events_exactly() {
+    let seed = seed("e2e_exact");
+    let brokers = brokers();
+    let topic = unique("likes-exact");
+    let group = unique("tally-exact");
+    let prefix = unique("exact");
+    create_topic(&topic, PARTITIONS);
+    let redis = RedisServer::start();
+
+    let w = Workload::generate(seed, EVENTS, PARTITIONS);
+    eprintln!("[e2e_exact] {}", w.describe());
+    let started = Instant::now();
+    let per_partition = produce(&brokers, &topic, w.messages(0..w.events.len()));
+    eprintln!(
+        "[e2e_exact] produced in {:.1} s: {per_partition:?}",
+        started.elapsed().as_secs_f64()
+    );
+    let hwms = high_watermarks(&brokers, &topic);
+    assert_eq!(hwms.iter().sum::<i64>(), EVENTS as i64, "hwms {hwms:?}");
+
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    args.extend(["--metrics-addr".to_string(), metrics_addr.clone()]);
+    let mut tally = Tally::spawn_args("tally", &args);
+
+    let started = Instant::now();
+    let mut conn = redis.conn();
+    wait_applied_while(
+        &mut conn,
+        &prefix,
+        &group,
+        &topic,
+        &hwms,
+        Duration::from_secs(150),
+        || tally.assert_running(),
+    );
+    eprintln!(
+        "[e2e_exact] applied {EVENTS} events in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+
+    let counts = read_counts(&mut conn, &prefix);
+    assert_counts_eq(&counts, &w.truth);
+    let total: i64 = counts.values().sum();
+    assert_eq!(total, w.likes as i64 - w.unlikes as i64);
+
+    // Informational: what the process reports about itself.
+    match try_scrape_metrics(&metrics_addr) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("tally_")).collect();
+            eprintln!("[e2e_exact] metrics:\n{}", lines.join("\n"));
+        }
+        Err(e) => eprintln!("[e2e_exact] metrics not readable at {metrics_addr}: {e}"),
+    }
+
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "tally exited with {status} after SIGTERM; log tail:\n{}",
+        tally.log_tail(40)
+    );
+}

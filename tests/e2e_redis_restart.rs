@@ -1,0 +1,148 @@
+//! Redis dies under the consumer (SIGKILL) and comes back from its append-only file, three times
+//! while events keep arriving. The second and third times the tail of the AOF is cut off first, as
+//! after a power failure with `appendfsync everysec`: counters and fences roll back together, and
+//! the consumer must replay from the fences to end exact.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const PARTITIONS: i32 = 8;
+const FIRST_WAVE: usize = 80_000;
+const CHUNK: usize = 2_000;
+/// Bytes cut off the newest AOF file before each restart (0: a plain SIGKILL).
+const CUTS: [u64; 3] = [0, 256 << 10, 1 << 20];
+
+#[test]
+fn counts_survive_redis_restarts_from_a_torn_aof() {
+    let seed = seed("e2e_redis_restart");
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x0bad_5eed);
+    let brokers = brokers();
+    let topic = unique("likes-redis");
+    let group = unique("tally-redis");
+    let prefix = unique("redis");
+    create_topic(&topic, PARTITIONS);
+    let mut redis = RedisServer::start_with_aof();
+
+    let mut w = Workload::new(seed, PARTITIONS);
+    let first = w.grow(FIRST_WAVE);
+    produce(&brokers, &topic, w.messages(first));
+    eprintln!("[e2e_redis_restart] first wave of {FIRST_WAVE} produced");
+
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    args.extend(
+        [
+            "--metrics-addr",
+            &metrics_addr,
+            "--batch-max-events",
+            "5000",
+        ]
+        .map(String::from),
+    );
+    let mut tally = Tally::spawn_args("tally", &args);
+
+    // Events keep arriving until after the last restart, so every partition has batches to
+    // apply once Redis is back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut w = w;
+            let mut last = false;
+            while !last {
+                last = stop.load(Ordering::SeqCst);
+                let chunk = w.grow(CHUNK);
+                produce(&brokers, &topic, w.messages(chunk));
+                thread::sleep(Duration::from_millis(250));
+            }
+            w
+        })
+    };
+
+    for (round, cut) in CUTS.into_iter().enumerate() {
+        thread::sleep(Duration::from_millis(rng.random_range(1000..2500)));
+        tally.assert_running();
+        let before = read_fences(
+            &mut redis.conn(),
+            &prefix,
+            &group,
+            &topic,
+            PARTITIONS as usize,
+        );
+        redis.kill();
+        let removed = if cut > 0 {
+            redis.truncate_aof_tail(cut)
+        } else {
+            0
+        };
+        let down = Duration::from_millis(rng.random_range(500..1500));
+        thread::sleep(down);
+        let t = Instant::now();
+        redis.restart();
+        let after = read_fences(
+            &mut redis.conn(),
+            &prefix,
+            &group,
+            &topic,
+            PARTITIONS as usize,
+        );
+        let rolled_back: Vec<String> = before
+            .iter()
+            .zip(&after)
+            .enumerate()
+            .filter(|(_, (b, a))| a < b)
+            .map(|(p, (b, a))| format!("p{p} {b:?}->{a:?}"))
+            .collect();
+        eprintln!(
+            "[e2e_redis_restart] round {}: redis down {:.1} s, {removed} AOF bytes cut, reloaded in {:.1} s; fences rolled back: [{}]",
+            round + 1,
+            down.as_secs_f64(),
+            t.elapsed().as_secs_f64(),
+            rolled_back.join(", ")
+        );
+    }
+    stop.store(true, Ordering::SeqCst);
+    let w = producer.join().expect("producer thread");
+    eprintln!("[e2e_redis_restart] {}", w.describe());
+
+    let hwms = high_watermarks(&brokers, &topic);
+    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let mut conn = redis.conn();
+    wait_applied_while(
+        &mut conn,
+        &prefix,
+        &group,
+        &topic,
+        &hwms,
+        Duration::from_secs(150),
+        || tally.assert_running(),
+    );
+    if let Ok(text) = try_scrape_metrics(&metrics_addr) {
+        let show = |name: &str| {
+            metric_series(&text, name)
+                .iter()
+                .map(|(l, v)| format!("{name}{l} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        eprintln!(
+            "[e2e_redis_restart] {}; {}; {}",
+            show("tally_batches_total"),
+            show("tally_resyncs_total"),
+            show("tally_redis_retries_total")
+        );
+    }
+
+    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success(), "tally exited with {status} after SIGTERM");
+}

@@ -1,0 +1,176 @@
+//! A zombie consumer: two members share a group; one is frozen (SIGSTOP) past its session
+//! timeout while events keep arriving, so the group hands its partitions to the other; then it
+//! wakes up (SIGCONT) still holding batches for partitions it no longer owns. Kafka fences its
+//! commits, not its Redis writes: only the Redis-side fence keeps the counts exact.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const PARTITIONS: i32 = 8;
+const FIRST_WAVE: usize = 60_000;
+/// Events keep arriving at about CHUNK / PAUSE from the first split to the end of the freeze.
+const CHUNK: usize = 1_000;
+const PAUSE: Duration = Duration::from_millis(200);
+/// The session timeout given to the consumers (tally_args), plus heartbeats and a margin.
+const PAST_SESSION_TIMEOUT: Duration = Duration::from_secs(9);
+
+fn assigned(metrics_addr: &str) -> Option<f64> {
+    let text = try_scrape_metrics(metrics_addr).ok()?;
+    metric_value(&text, "tally_assigned_partitions")
+}
+
+fn batches(metrics_addr: &str) -> String {
+    match try_scrape_metrics(metrics_addr) {
+        Ok(text) => metric_series(&text, "tally_batches_total")
+            .iter()
+            .map(|(labels, v)| format!("{labels} {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        Err(e) => format!("unreadable ({e})"),
+    }
+}
+
+#[test]
+fn frozen_member_cannot_double_count_after_waking() {
+    let seed = seed("e2e_zombie");
+    let brokers = brokers();
+    let topic = unique("likes-zombie");
+    let group = unique("tally-zombie");
+    let prefix = unique("zombie");
+    create_topic(&topic, PARTITIONS);
+    let redis = RedisServer::start();
+
+    let mut w = Workload::new(seed, PARTITIONS);
+    let first = w.grow(FIRST_WAVE);
+    produce(&brokers, &topic, w.messages(first));
+
+    let base = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let with_metrics = |addr: &str, extra: &[&str]| {
+        let mut args = base.clone();
+        args.extend(
+            ["--metrics-addr", addr]
+                .iter()
+                .chain(extra)
+                .map(|s| s.to_string()),
+        );
+        args
+    };
+    let addr_a = format!("127.0.0.1:{}", free_port());
+    let addr_b = format!("127.0.0.1:{}", free_port());
+    let addr_c = format!("127.0.0.1:{}", free_port());
+
+    let mut a = Tally::spawn_args("consumer-a", &with_metrics(&addr_a, &[]));
+    wait_for(
+        "consumer-a to own every partition",
+        Duration::from_secs(60),
+        || {
+            a.assert_running();
+            (assigned(&addr_a) == Some(f64::from(PARTITIONS))).then_some(())
+        },
+    );
+    // The zombie-to-be holds its batches longer, so it is caught with work in hand.
+    let slow = ["--flush-interval-ms", "1000", "--batch-max-events", "20000"];
+    let mut b = Tally::spawn_args("consumer-b", &with_metrics(&addr_b, &slow));
+    wait_for(
+        "consumer-a and consumer-b to share the partitions",
+        Duration::from_secs(90),
+        || {
+            a.assert_running();
+            b.assert_running();
+            let (na, nb) = (assigned(&addr_a)?, assigned(&addr_b)?);
+            (na > 0.0 && nb > 0.0 && na + nb == f64::from(PARTITIONS)).then_some(())
+        },
+    );
+    eprintln!(
+        "[e2e_zombie] split: a={:?} b={:?}",
+        assigned(&addr_a),
+        assigned(&addr_b)
+    );
+
+    // Events keep arriving for the whole freeze.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut w = w;
+            while !stop.load(Ordering::SeqCst) {
+                let chunk = w.grow(CHUNK);
+                produce(&brokers, &topic, w.messages(chunk));
+                thread::sleep(PAUSE);
+            }
+            w
+        })
+    };
+
+    thread::sleep(Duration::from_millis(1500));
+    b.sigstop();
+    let frozen = Instant::now();
+    thread::sleep(PAST_SESSION_TIMEOUT);
+    // Kafka would now hand the frozen member's partitions to consumer-a. Tansu 0.6 drops the
+    // expired member but keeps the old assignment until the membership changes again, so a third
+    // member joins: either way, live members own everything while consumer-b sleeps.
+    let mut c = Tally::spawn_args("consumer-c", &with_metrics(&addr_c, &[]));
+    wait_for(
+        "consumer-a and consumer-c to own every partition",
+        Duration::from_secs(60),
+        || {
+            a.assert_running();
+            c.assert_running();
+            let (na, nc) = (assigned(&addr_a)?, assigned(&addr_c)?);
+            (nc > 0.0 && na + nc == f64::from(PARTITIONS)).then_some(())
+        },
+    );
+    eprintln!(
+        "[e2e_zombie] {:.1} s into the freeze: a={:?} c={:?}",
+        frozen.elapsed().as_secs_f64(),
+        assigned(&addr_a),
+        assigned(&addr_c)
+    );
+    // Let the new owners move every partition past where the zombie stopped.
+    thread::sleep(Duration::from_secs(3));
+    b.sigcont();
+    eprintln!(
+        "[e2e_zombie] consumer-b was frozen {:.1} s",
+        frozen.elapsed().as_secs_f64()
+    );
+    thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::SeqCst);
+    let w = producer.join().expect("producer thread");
+    eprintln!("[e2e_zombie] {}", w.describe());
+
+    let hwms = high_watermarks(&brokers, &topic);
+    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let mut conn = redis.conn();
+    wait_applied_while(
+        &mut conn,
+        &prefix,
+        &group,
+        &topic,
+        &hwms,
+        Duration::from_secs(150),
+        || {
+            a.assert_running();
+            b.assert_running();
+            c.assert_running();
+        },
+    );
+    for (name, addr) in [("a", &addr_a), ("b", &addr_b), ("c", &addr_c)] {
+        eprintln!("[e2e_zombie] consumer-{name} batches: {}", batches(addr));
+    }
+
+    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+
+    for t in [&mut b, &mut c, &mut a] {
+        let status = t.sigterm_and_wait(Duration::from_secs(20));
+        assert!(
+            status.success(),
+            "consumer exited with {status} after SIGTERM"
+        );
+    }
+}
