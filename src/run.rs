@@ -32,7 +32,7 @@ use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::Offset;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use crate::apply::{Applier, ApplyError, ConnectError, FenceReader, PartitionFences, Prepared};
@@ -70,16 +70,6 @@ pub enum RunError {
         /// The error.
         source: ApplyError,
     },
-    /// The consumer could not be moved back to the fence.
-    #[error("partition {partition}: cannot seek to {offset:?}: {source}")]
-    Seek {
-        /// The partition.
-        partition: i32,
-        /// Where it had to go.
-        offset: Offset,
-        /// The client error.
-        source: rdkafka::error::KafkaError,
-    },
 }
 
 /// A partition this consumer owns.
@@ -100,6 +90,10 @@ struct Owned {
     advanced_at: Vec<Instant>,
     /// When Redis last confirmed the fences of this ownership.
     verified_at: Instant,
+    /// A seek the consumer has not accepted yet (librdkafka refuses seeks on a
+    /// partition whose fetcher is still starting); messages are dropped until
+    /// it succeeds, so nothing read from the old position enters a batch.
+    pending_seek: Option<i64>,
 }
 
 /// How often a caught-up partition probes its fences, and how often a slot
@@ -356,7 +350,10 @@ impl Pipeline {
                         Err(error) => warn!(%error, "Kafka consumer error."),
                     }
                 }
-                _ = tick.tick() => self.dispatch_ready(false),
+                _ = tick.tick() => {
+                    self.retry_seeks();
+                    self.dispatch_ready(false);
+                }
             }
         }
     }
@@ -405,6 +402,7 @@ impl Pipeline {
                                 letters: Vec::new(),
                                 advanced_at: vec![Instant::now(); groups],
                                 verified_at: Instant::now(),
+                                pending_seek: None,
                             },
                         );
                     }
@@ -442,7 +440,7 @@ impl Pipeline {
         let Some(state) = owned.get_mut(&partition) else {
             return false;
         };
-        if state.next.is_some_and(|next| offset < next) {
+        if state.pending_seek.is_some() || state.next.is_some_and(|next| offset < next) {
             return false;
         }
         let start = state.next.unwrap_or(offset);
@@ -530,6 +528,9 @@ impl Pipeline {
         let Some(state) = self.owned.get_mut(&partition) else {
             return;
         };
+        if state.pending_seek.is_some() {
+            return;
+        }
         let mut batch = match (state.batch.take(), state.next) {
             (Some(batch), _) => batch,
             (None, Some(next)) if state.known.is_some() => ClosedBatch::probe(next),
@@ -703,28 +704,28 @@ impl Pipeline {
         state.batch.clear();
         state.letters.clear();
         state.next = Some(resume);
-        let offset = Offset::Offset(resume);
-        let mut last_error = None;
-        for attempt in 0..5u64 {
+        state.pending_seek = Some(resume);
+        self.retry_seeks();
+        Ok(())
+    }
+
+    /// Tries every pending seek once; failures are retried on the next tick.
+    fn retry_seeks(&mut self) {
+        for (&partition, state) in self.owned.iter_mut() {
+            let Some(resume) = state.pending_seek else {
+                continue;
+            };
+            let offset = Offset::Offset(resume);
             match self.consumer.seek(
                 &self.config.topic,
                 partition,
                 offset,
-                Duration::from_secs(5),
+                Duration::from_secs(2),
             ) {
-                Ok(()) => return Ok(()),
-                Err(error) => {
-                    warn!(partition, attempt, %error, "Seek failed; retrying.");
-                    last_error = Some(error);
-                    std::thread::sleep(Duration::from_millis(100 * (attempt + 1)));
-                }
+                Ok(()) => state.pending_seek = None,
+                Err(error) => debug!(partition, resume, %error, "Seek not accepted yet; retrying."),
             }
         }
-        Err(RunError::Seek {
-            partition,
-            offset,
-            source: last_error.expect("at least one attempt"),
-        })
     }
 
     /// Shutdown: stop fetching, flush what is buffered, wait (bounded) for the
