@@ -18,10 +18,10 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tally::aggregate::{Batch, ClosedBatch, Limits};
+use tally::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use tally::config::DEFAULT_BUCKETS;
 use tally::generate::{Traffic, TrafficShape};
-use tally::routing::KeyLayout;
+use tally::routing::{KeyLayout, bucket_of};
 
 const EVENTS: usize = 200_000;
 const LIMITS: Limits = Limits {
@@ -49,7 +49,13 @@ fn aggregate(payloads: &[Vec<u8>], batch: &mut Batch, closed: &mut Vec<ClosedBat
     for (offset, payload) in payloads.iter().enumerate() {
         let offset = offset as i64;
         match tally::decode::decode(Some(payload)) {
-            Ok(like) => batch.add(offset, offset, like, DEFAULT_BUCKETS),
+            Ok(like) => {
+                let id = CounterId {
+                    post_id: like.post_id,
+                    bucket: bucket_of(like.user_id, DEFAULT_BUCKETS),
+                };
+                batch.add(offset, offset, id, like.delta)
+            }
             Err(_) => batch.add_bad(offset, offset),
         }
         if batch.is_full(&LIMITS) {
@@ -109,7 +115,7 @@ fn bench(c: &mut Criterion) {
         .max_by_key(|b| b.deltas.len())
         .expect("at least one batch");
     let keys = KeyLayout::new("tally");
-    let fence_key = keys.fence_key("tally", "likes", 3);
+    let fence_key = keys.fence_key("tally", "likes", 3, 0);
     let mut group = c.benchmark_group("script call");
     group.throughput(Throughput::Elements(full.deltas.len() as u64));
     group.bench_function(format!("build, {} counters", full.deltas.len()), |b| {

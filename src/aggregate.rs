@@ -1,8 +1,9 @@
 //! Aggregate: sum one partition's likes per (post, bucket) into a batch.
 //!
 //! Invariant: a batch covers a contiguous offset range `start..=last` of one
-//! partition and holds the net delta of every good event in that range; bad
-//! events inside the range are part of it too (they are "applied" as nothing).
+//! partition and holds the net delta of every good event in that range that
+//! its slot group still needs; bad events, and events their group already has,
+//! are part of the range too (they are "applied" as nothing).
 //! Nothing is allocated per event: deltas go into a hash map that is reused
 //! from batch to batch.
 
@@ -10,8 +11,7 @@ use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 
-use crate::decode::Like;
-use crate::routing::bucket_of;
+use crate::slots::SlotGroups;
 
 /// Counter identity inside one batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -77,14 +77,17 @@ impl Batch {
         self.last = offset;
     }
 
-    /// Adds a good event at `offset`; `start` is where the consumer's range began.
-    pub fn add(&mut self, start: i64, offset: i64, like: Like, buckets: u32) {
+    /// Adds a good event's delta at `offset`; `start` is where the consumer's
+    /// range began.
+    pub fn add(&mut self, start: i64, offset: i64, id: CounterId, delta: i64) {
         self.open(start, offset);
-        let id = CounterId {
-            post_id: like.post_id,
-            bucket: bucket_of(like.user_id, buckets),
-        };
-        *self.deltas.entry(id).or_insert(0) += like.delta;
+        *self.deltas.entry(id).or_insert(0) += delta;
+    }
+
+    /// Covers an event its slot group already has (after a straddle or a
+    /// crash between scripts): it extends the range and changes no counter.
+    pub fn add_applied(&mut self, start: i64, offset: i64) {
+        self.open(start, offset);
     }
 
     /// Adds a bad message at `offset`: it extends the range and changes no counter.
@@ -134,6 +137,33 @@ impl Batch {
     }
 }
 
+impl ClosedBatch {
+    /// An empty range at `next`: a probe of the fences.
+    pub fn probe(next: i64) -> Self {
+        Self {
+            start: next,
+            last: next - 1,
+            messages: 0,
+            bad: 0,
+            deltas: Vec::new(),
+        }
+    }
+
+    /// Whether this is a probe.
+    pub fn is_probe(&self) -> bool {
+        self.start > self.last
+    }
+
+    /// Splits the deltas by slot group (index = group).
+    pub fn split(&mut self, groups: &SlotGroups) -> Vec<Vec<(CounterId, i64)>> {
+        let mut split = vec![Vec::new(); groups.count() as usize];
+        for (id, delta) in self.deltas.drain(..) {
+            split[groups.group_of(id.post_id, id.bucket) as usize].push((id, delta));
+        }
+        split
+    }
+}
+
 /// A closed batch, ready to apply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClosedBatch {
@@ -155,21 +185,17 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
-    fn like(post_id: u64, user_id: u64, delta: i64) -> Like {
-        Like {
-            post_id,
-            user_id,
-            delta,
-        }
+    fn id(post_id: u64, bucket: u32) -> CounterId {
+        CounterId { post_id, bucket }
     }
 
     #[test]
     fn likes_and_unlikes_net_out_and_zeros_are_dropped() {
         let mut batch = Batch::new();
-        batch.add(10, 10, like(1, 7, 1), 16);
-        batch.add(10, 11, like(1, 7, -1), 16);
-        batch.add(10, 12, like(2, 7, 1), 16);
-        batch.add(10, 13, like(2, 8, 1), 1);
+        batch.add(10, 10, id(1, 7), 1);
+        batch.add(10, 11, id(1, 7), -1);
+        batch.add(10, 12, id(2, 7), 1);
+        batch.add(10, 13, id(2, 0), 1);
         let closed = batch.take().unwrap();
         assert_eq!((closed.start, closed.last, closed.messages), (10, 13, 4));
         let total: i64 = closed.deltas.iter().map(|&(_, d)| d).sum();
@@ -201,9 +227,9 @@ mod tests {
             max_keys: 2,
         };
         let mut batch = Batch::new();
-        batch.add(0, 0, like(1, 1, 1), 1);
+        batch.add(0, 0, id(1, 1), 1);
         assert!(!batch.is_full(&limits));
-        batch.add(0, 1, like(2, 1, 1), 1);
+        batch.add(0, 1, id(2, 1), 1);
         assert!(batch.is_full(&limits));
     }
 
@@ -214,7 +240,7 @@ mod tests {
             let mut naive: BTreeMap<(u64, u32), i64> = BTreeMap::new();
             for (i, &(post, user, up)) in events.iter().enumerate() {
                 let delta = if up { 1 } else { -1 };
-                batch.add(0, i as i64, like(post, user, delta), buckets);
+                batch.add(0, i as i64, id(post, crate::routing::bucket_of(user, buckets)), delta);
                 *naive.entry((post, crate::routing::bucket_of(user, buckets))).or_default() += delta;
             }
             naive.retain(|_, d| *d != 0);
@@ -222,6 +248,24 @@ mod tests {
             let got: BTreeMap<(u64, u32), i64> = closed.deltas.iter().map(|&(id, d)| ((id.post_id, id.bucket), d)).collect();
             prop_assert_eq!(got, naive);
             prop_assert_eq!(closed.last, events.len() as i64 - 1);
+        }
+
+        #[test]
+        fn splitting_by_group_keeps_every_delta(events in proptest::collection::vec((1u64..50, 0u32..16, -3i64..4), 1..200)) {
+            let groups = SlotGroups::cluster(8);
+            let mut batch = Batch::new();
+            for (i, &(post, bucket, delta)) in events.iter().enumerate() {
+                batch.add(0, i as i64, id(post, bucket), delta);
+            }
+            let mut closed = batch.take().unwrap();
+            let before = closed.deltas.clone();
+            let split = closed.split(&groups);
+            let groups = &groups;
+            let mut after: Vec<_> = split.iter().enumerate().flat_map(|(g, part)| {
+                part.iter().map(move |&(id, d)| { assert_eq!(groups.group_of(id.post_id, id.bucket), g as u32); (id, d) })
+            }).collect();
+            after.sort_unstable_by_key(|&(id, _)| id);
+            prop_assert_eq!(after, before);
         }
     }
 }

@@ -1,40 +1,36 @@
--- apply.lua: apply one batch of one Kafka partition behind its fence, atomically.
+-- apply.lua: apply one slot group's share of a batch behind its fence, atomically.
 --
--- KEYS[1]       the fence key: last applied offset of (group, topic, partition)
--- KEYS[2..n]    counter keys <prefix>:likes:<post>:<bucket>
--- ARGV[1]       start: first offset the batch covers
--- ARGV[2]       last: last offset the batch covers
--- ARGV[3]       "1" when the caller has seen this fence before (its absence is a loss)
+-- KEYS[1]       the group's fence key (same hash slot as every counter key)
+-- KEYS[2..n]    counter keys <prefix>:likes:<post>:<bucket>[:{tag}]
+-- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
+-- ARGV[2]       last: last offset the range covers
+-- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
 -- ARGV[4..]     one integer delta per counter key, in KEYS order
 --
--- Returns {code, fence}; fence is the fence before the call, or -1 when absent.
+-- Returns {code, fence}; fence is the fence found before the call.
 --   0 applied: every delta added, fence set to last
---   1 duplicate: fence >= last, nothing written
---   2 straddle: start <= fence < last, nothing written; resume at fence + 1
---   3 gap: fence + 1 < start, or no fence where one was expected; nothing written
--- The decision table is src/fence.rs, which the tests hold this script to.
+--   1 duplicate: fence >= last; nothing written
+--   2 straddle: start <= fence < last; nothing written
+--   3 gap: fence + 1 < start; nothing written
+-- The decision table is src/fence.rs; the tests hold this script to it.
 
 local raw = redis.call('GET', KEYS[1])
+local fence = tonumber(raw or ARGV[3])
 local start = tonumber(ARGV[1])
 local last = tonumber(ARGV[2])
 
-if raw then
-  local fence = tonumber(raw)
-  if fence >= last then
-    return {1, fence}
-  end
-  if fence + 1 < start then
-    return {3, fence}
-  end
-  if fence + 1 > start then
-    return {2, fence}
-  end
-elseif ARGV[3] == '1' then
-  return {3, -1}
+if fence >= last then
+  return {1, fence}
+end
+if fence + 1 < start then
+  return {3, fence}
+end
+if fence + 1 > start then
+  return {2, fence}
 end
 
 for i = 2, #KEYS do
   redis.call('INCRBY', KEYS[i], ARGV[i + 2])
 end
 redis.call('SET', KEYS[1], ARGV[2])
-return {0, raw and tonumber(raw) or -1}
+return {0, fence}

@@ -1,36 +1,55 @@
-//! Apply: run a closed batch through `apply.lua` behind its partition's fence.
+//! Apply: run each slot group's share of a batch through `apply.lua` behind
+//! that group's fence.
 //!
 //! # Why every event is counted exactly once
 //!
 //! Kafka gives each partition a fixed, ordered log. Tally turns a contiguous
-//! range `start..=last` of that log into net deltas and hands them to one Lua
-//! script that, atomically, compares the range with the partition's fence (the
-//! last offset already in Redis), adds the deltas only when the range begins
-//! right after the fence, and moves the fence to `last`. Because the check and
-//! the writes are one atomic step, Redis never holds counts without the fence
-//! that covers them, nor a fence without its counts; a restart from an AOF or a
-//! failover rolls both back together.
+//! range of that log into net deltas per counter, splits them by slot group
+//! (one group on a single server, `G` on a cluster; see [`crate::slots`]), and
+//! hands each group's share to one Lua script that, atomically, compares the
+//! claimed range with the group's fence (the last offset already applied for
+//! that group), adds the deltas only when the range begins right after the
+//! fence, and moves the fence to the end of the range. Check and writes are one
+//! atomic step in one slot, so Redis never holds counts without the fence that
+//! covers them, nor a fence without its counts; a restart from an AOF or a
+//! failover to a lagging replica rolls both back together.
 //!
 //! Everything else is a consequence. A retry after a timeout finds the fence at
-//! `last` and does nothing. A zombie consumer's stale batch finds the fence at or
-//! past its range and does nothing. Two consumers that cut the log differently
-//! meet a straddle and the late one re-reads from `fence + 1`. A Redis that lost
-//! its last second shows a fence behind the batch and the consumer replays from
-//! there. Kafka's committed offset is written only after the script succeeds and
-//! is never trusted over the fence: it is where to look first, and the lag signal.
-//! The decision table itself is [`crate::fence`].
+//! the end of its range and does nothing. A zombie consumer's stale batch finds
+//! the fence at or past its range and does nothing. Two consumers that cut the
+//! log differently meet a straddle and the late one re-reads. A consumer killed
+//! between the scripts of one batch leaves some groups ahead of others; the
+//! next owner reads every group's fence, starts reading at the lowest, and
+//! gives each group only the events above its own fence.
+//!
+//! # Knowing every group a partition has written
+//!
+//! The slot groups are a fixed, numbered set, so there is nothing to discover:
+//! on assignment the consumer reads the fence of every group. A group whose
+//! fence key is absent, because it never received a script or because its
+//! primary lost the key, stands at the partition's *origin* minus one, the
+//! origin being the first offset tally ever counted for the partition, written
+//! once before the first batch. So a primary that loses recent writes can only
+//! move fences back, never forward, and the consumer replays from the lowest
+//! one. Groups without events are advanced with empty scripts now and then, so
+//! the lowest fence, and thus the replay after a restart, stays recent.
+//!
+//! Kafka's committed offset is written only after every script of a batch
+//! succeeded and is never trusted over the fences: it is where to look when
+//! the fences cannot be read, and the lag signal. The decision table and the
+//! consumer's bookkeeping are [`crate::fence`].
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Cmd, RedisError};
+use redis::{Cmd, RedisError};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::aggregate::ClosedBatch;
-use crate::fence::Decision;
+use crate::aggregate::CounterId;
+use crate::fence::{Decision, Reply};
 use crate::retry::{Backoff, RedisFailure, classify_redis};
 use crate::routing::KeyLayout;
+use crate::store::{Store, Target, connect_blocking};
 
 /// The script, with its header comment documenting KEYS, ARGV and replies.
 pub const APPLY_LUA: &str = include_str!("apply.lua");
@@ -53,14 +72,14 @@ pub enum ApplyError {
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// The URL does not parse.
-    #[error("invalid Redis URL {url}: {source}")]
+    #[error("invalid Redis URL {url}: {problem} (fix --redis / TALLY_REDIS)")]
     BadUrl {
         /// The URL as given, password removed.
         url: String,
-        /// The parse error.
-        source: RedisError,
+        /// What is wrong.
+        problem: String,
     },
-    /// Redis could not be reached or refused the script.
+    /// Redis could not be reached.
     #[error(
         "cannot reach Redis at {url}: {source} (is redis-server running? check --redis / TALLY_REDIS)"
     )]
@@ -82,24 +101,68 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// A prepared script call for one batch of one partition.
+/// One slot group's share of a batch, ready to send.
 #[derive(Debug)]
 pub struct Prepared {
-    cmd: Cmd,
     /// Partition the batch belongs to.
     pub partition: i32,
-    /// First offset covered.
+    /// The slot group.
+    pub group: u32,
+    /// First offset claimed.
     pub start: i64,
-    /// Last offset covered.
+    /// Last offset claimed.
     pub last: i64,
-    /// Number of counter increments the script performs when it applies.
-    pub increments: usize,
+    /// Fence assumed when the group's fence key is absent (origin - 1).
+    pub absent_fence: i64,
+    /// Net deltas of the group's counters.
+    pub deltas: Vec<(CounterId, i64)>,
 }
 
-/// Applies batches to one Redis server.
+impl Prepared {
+    /// Number of counter increments the script performs when it applies.
+    pub fn increments(&self) -> usize {
+        self.deltas.len()
+    }
+}
+
+/// The fences of one partition, as read at assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionFences {
+    /// First offset ever counted; `None` before the first batch.
+    pub origin: Option<i64>,
+    /// Per slot group, the stored fence (`None` when the key is absent).
+    pub fences: Vec<Option<i64>>,
+}
+
+impl PartitionFences {
+    /// What the consumer knows once the origin is known: each group's fence,
+    /// absent ones standing at `origin - 1`.
+    pub fn tracker(&self) -> Option<(i64, crate::fence::Tracker)> {
+        let origin = self.origin?;
+        let known = self
+            .fences
+            .iter()
+            .map(|f| f.unwrap_or(origin - 1))
+            .collect();
+        Some((origin, crate::fence::Tracker::new(known)))
+    }
+
+    /// Where to read from at assignment: the lowest fence when the origin is
+    /// known; the start of the log when the origin was lost but fences remain;
+    /// otherwise `None` (Kafka's committed offset, the first run).
+    pub fn resume_from(&self) -> Option<rdkafka::Offset> {
+        match self.tracker() {
+            Some((_, tracker)) => Some(rdkafka::Offset::Offset(tracker.resume_at())),
+            None if self.fences.iter().any(Option::is_some) => Some(rdkafka::Offset::Beginning),
+            None => None,
+        }
+    }
+}
+
+/// Applies batches to a Redis server or cluster.
 #[derive(Clone)]
 pub struct Applier {
-    conn: ConnectionManager,
+    store: Store,
     sha: String,
     keys: KeyLayout,
     group: String,
@@ -107,7 +170,8 @@ pub struct Applier {
 }
 
 impl Applier {
-    /// Connects, checks the server answers, and loads the script.
+    /// Connects and checks the store answers. The script is sent by hash and
+    /// loaded on first use on each server (and again after a flush or failover).
     pub async fn connect(
         url: &str,
         keys: KeyLayout,
@@ -115,31 +179,22 @@ impl Applier {
         topic: &str,
     ) -> Result<Self, ConnectError> {
         let shown = redact_url(url);
-        let client = Client::open(url).map_err(|source| ConnectError::BadUrl {
+        let target = Target::parse(url).map_err(|problem| ConnectError::BadUrl {
             url: shown.clone(),
-            source,
+            problem,
         })?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(3)))
-            .set_response_timeout(Some(Duration::from_secs(10)))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(2));
         let unreachable = |source| ConnectError::Unreachable {
             url: shown.clone(),
             source,
         };
-        let mut conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(unreachable)?;
-        let sha: String = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(APPLY_LUA)
-            .query_async(&mut conn)
+        let mut store = Store::connect(&target).await.map_err(unreachable)?;
+        redis::cmd("PING")
+            .query_async::<String>(&mut store)
             .await
             .map_err(unreachable)?;
         Ok(Self {
-            conn,
-            sha,
+            store,
+            sha: redis::Script::new(APPLY_LUA).get_hash().to_string(),
             keys,
             group: group.to_string(),
             topic: topic.to_string(),
@@ -151,62 +206,77 @@ impl Applier {
         &self.keys
     }
 
-    /// The fence key of a partition.
-    pub fn fence_key(&self, partition: i32) -> String {
-        self.keys.fence_key(&self.group, &self.topic, partition)
+    /// The fence key of a partition's slot group.
+    pub fn fence_key(&self, partition: i32, slot_group: u32) -> String {
+        self.keys
+            .fence_key(&self.group, &self.topic, partition, slot_group)
     }
 
-    /// Builds the script call for a batch. Keys are written into one reused
-    /// buffer and copied straight into the command's argument buffer.
-    pub fn prepare(&self, partition: i32, batch: &ClosedBatch, expect_fence: bool) -> Prepared {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha)
-            .arg(batch.deltas.len() + 1)
-            .arg(self.fence_key(partition));
+    /// Records `proposed` as the partition's origin unless one exists, and
+    /// returns the origin in force.
+    pub async fn ensure_origin(&self, partition: i32, proposed: i64) -> Result<i64, RedisError> {
+        let key = self.keys.origin_key(&self.group, &self.topic, partition);
+        let mut store = self.store.clone();
+        let _: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(proposed)
+            .arg("NX")
+            .query_async(&mut store)
+            .await?;
+        redis::cmd("GET").arg(&key).query_async(&mut store).await
+    }
+
+    /// Builds the script call: EVALSHA normally, EVAL (which also caches the
+    /// script on that server) after a NOSCRIPT. Keys are written into one
+    /// reused buffer and copied straight into the command's argument buffer.
+    fn command(&self, prepared: &Prepared, by_hash: bool) -> Cmd {
+        let mut cmd = if by_hash {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&self.sha);
+            cmd
+        } else {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(APPLY_LUA);
+            cmd
+        };
+        cmd.arg(prepared.deltas.len() + 1)
+            .arg(self.fence_key(prepared.partition, prepared.group));
         let mut key = String::with_capacity(64);
-        for (id, _) in &batch.deltas {
+        for (id, _) in &prepared.deltas {
             self.keys.write_counter_key(&mut key, id.post_id, id.bucket);
             cmd.arg(key.as_str());
         }
-        cmd.arg(batch.start)
-            .arg(batch.last)
-            .arg(if expect_fence { "1" } else { "0" });
-        for &(_, delta) in &batch.deltas {
+        cmd.arg(prepared.start)
+            .arg(prepared.last)
+            .arg(prepared.absent_fence);
+        for &(_, delta) in &prepared.deltas {
             cmd.arg(delta);
         }
-        Prepared {
-            cmd,
-            partition,
-            start: batch.start,
-            last: batch.last,
-            increments: batch.deltas.len(),
-        }
+        cmd
     }
 
-    /// One attempt. A missing script (restart, failover, SCRIPT FLUSH) is
-    /// loaded again and the call repeated once.
-    pub async fn apply_once(&self, prepared: &Prepared) -> Result<Decision, RedisError> {
-        let mut conn = self.conn.clone();
-        let reply: Result<(i64, i64), RedisError> = prepared.cmd.query_async(&mut conn).await;
+    /// One attempt; a missing script is sent in full once.
+    pub async fn apply_once(&self, prepared: &Prepared) -> Result<Reply, RedisError> {
+        let mut store = self.store.clone();
+        let reply: Result<(i64, i64), RedisError> =
+            self.command(prepared, true).query_async(&mut store).await;
         let (code, fence) = match reply {
             Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
                 crate::metrics::script_reloaded();
-                redis::cmd("SCRIPT")
-                    .arg("LOAD")
-                    .arg(APPLY_LUA)
-                    .query_async::<String>(&mut conn)
-                    .await?;
-                prepared.cmd.query_async(&mut conn).await?
+                self.command(prepared, false)
+                    .query_async(&mut store)
+                    .await?
             }
             other => other?,
         };
-        Decision::from_reply(code, fence).ok_or_else(|| {
+        let decision = Decision::from_code(code).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
                 "apply.lua reply",
                 format!("code {code}, fence {fence}"),
             ))
-        })
+        })?;
+        Ok(Reply { decision, fence })
     }
 
     /// Applies with retries on transient errors until success, a fatal error
@@ -215,11 +285,11 @@ impl Applier {
         &self,
         prepared: &Prepared,
         cancel: &CancellationToken,
-    ) -> Result<Decision, ApplyError> {
+    ) -> Result<Reply, ApplyError> {
         let mut backoff = Backoff::standard();
         loop {
             match self.apply_once(prepared).await {
-                Ok(decision) => return Ok(decision),
+                Ok(reply) => return Ok(reply),
                 Err(error) if error.kind() == redis::ErrorKind::UnexpectedReturnType => {
                     return Err(ApplyError::BadReply(error.to_string()));
                 }
@@ -231,6 +301,7 @@ impl Applier {
                     let delay = backoff.next_delay();
                     warn!(
                         partition = prepared.partition,
+                        group = prepared.group,
                         start = prepared.start,
                         last = prepared.last,
                         %error,
@@ -245,13 +316,60 @@ impl Applier {
             }
         }
     }
+
+    /// Reads a partition's origin and every slot group's fence.
+    pub async fn read_fences(&self, partition: i32) -> Result<PartitionFences, RedisError> {
+        let mut store = self.store.clone();
+        let origin: Option<i64> = redis::cmd("GET")
+            .arg(self.keys.origin_key(&self.group, &self.topic, partition))
+            .query_async(&mut store)
+            .await?;
+        let reads = (0..self.keys.groups().count()).map(|g| {
+            let mut store = self.store.clone();
+            let key = self.fence_key(partition, g);
+            async move {
+                redis::cmd("GET")
+                    .arg(key)
+                    .query_async::<Option<i64>>(&mut store)
+                    .await
+            }
+        });
+        let fences = futures::future::try_join_all(reads).await?;
+        Ok(PartitionFences { origin, fences })
+    }
+
+    /// Records the origin, retrying like [`Applier::apply`].
+    pub async fn origin(
+        &self,
+        partition: i32,
+        proposed: i64,
+        cancel: &CancellationToken,
+    ) -> Result<i64, ApplyError> {
+        let mut backoff = Backoff::standard();
+        loop {
+            match self.ensure_origin(partition, proposed).await {
+                Ok(origin) => return Ok(origin),
+                Err(error) if classify_redis(&error) == RedisFailure::Fatal => {
+                    return Err(ApplyError::Fatal(error));
+                }
+                Err(error) => {
+                    crate::metrics::redis_retry();
+                    warn!(partition, %error, "Recording the origin failed; retrying.");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return Err(ApplyError::Cancelled),
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Reads fences synchronously; used inside the Kafka rebalance callback, which
 /// cannot await. Each call opens a short-lived connection with tight timeouts.
 #[derive(Debug, Clone)]
 pub struct FenceReader {
-    client: Client,
+    target: Target,
     keys: KeyLayout,
     group: String,
     topic: String,
@@ -259,29 +377,38 @@ pub struct FenceReader {
 
 impl FenceReader {
     /// A reader for one group and topic.
-    pub fn new(url: &str, keys: KeyLayout, group: &str, topic: &str) -> Result<Self, RedisError> {
+    pub fn new(url: &str, keys: KeyLayout, group: &str, topic: &str) -> Result<Self, String> {
         Ok(Self {
-            client: Client::open(url)?,
+            target: Target::parse(url)?,
             keys,
             group: group.to_string(),
             topic: topic.to_string(),
         })
     }
 
-    /// The fences of `partitions`, in order (`None` where there is none).
-    pub fn read(&self, partitions: &[i32]) -> Result<Vec<Option<i64>>, RedisError> {
+    /// The origin and per-group fences of each partition, in order.
+    pub fn read(&self, partitions: &[i32]) -> Result<Vec<PartitionFences>, RedisError> {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        let timeout = Duration::from_secs(2);
-        let mut conn = self.client.get_connection_with_timeout(timeout)?;
-        conn.set_read_timeout(Some(timeout))?;
-        conn.set_write_timeout(Some(timeout))?;
-        let mut mget = redis::cmd("MGET");
+        let mut conn = connect_blocking(&self.target, Duration::from_secs(2))?;
+        let groups = self.keys.groups().count();
+        let mut all = Vec::with_capacity(partitions.len());
         for &p in partitions {
-            mget.arg(self.keys.fence_key(&self.group, &self.topic, p));
+            let origin: Option<i64> = redis::cmd("GET")
+                .arg(self.keys.origin_key(&self.group, &self.topic, p))
+                .query(conn.as_mut())?;
+            let mut fences = Vec::with_capacity(groups as usize);
+            for g in 0..groups {
+                fences.push(
+                    redis::cmd("GET")
+                        .arg(self.keys.fence_key(&self.group, &self.topic, p, g))
+                        .query(conn.as_mut())?,
+                );
+            }
+            all.push(PartitionFences { origin, fences });
         }
-        mget.query(&mut conn)
+        Ok(all)
     }
 }
 
@@ -300,6 +427,7 @@ mod tests {
 
     #[test]
     fn the_script_documents_its_contract() {
+        assert!(APPLY_LUA.starts_with("-- apply.lua"));
         for needle in ["KEYS[1]", "ARGV[1]", "ARGV[2]", "ARGV[3]", "Returns"] {
             assert!(
                 APPLY_LUA.contains(needle),

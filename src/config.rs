@@ -31,9 +31,15 @@ pub struct RunConfig {
     #[arg(long, env = "TALLY_GROUP", default_value = DEFAULT_GROUP)]
     pub group: String,
 
-    /// Redis server URL (redis://[:password@]host:port[/db]).
+    /// Redis URL: redis://[user:password@]host:port[/db] for one server, or
+    /// redis+cluster://[user:password@]host1:port1,host2:port2 for a cluster (rediss for TLS).
     #[arg(long, env = "TALLY_REDIS", default_value = "redis://127.0.0.1:6379/")]
     pub redis: String,
+
+    /// On a cluster, the number of slot groups counters are spread over (a power of two;
+    /// each batch sends at most one script per group). Fixed for the life of the data.
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
+    pub slot_groups: u32,
 
     /// Buckets per post (N): bucket = xxh64(user_id) % N. Changing it moves users between buckets.
     #[arg(long, env = "TALLY_BUCKETS", default_value_t = DEFAULT_BUCKETS)]
@@ -70,6 +76,16 @@ pub struct RunConfig {
     /// Serve Prometheus metrics on this address (for example 0.0.0.0:9464).
     #[arg(long, env = "TALLY_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+
+    /// Testing only: send the scripts of a batch one by one with this pause
+    /// between them (milliseconds), so a crash can land between two scripts.
+    #[arg(
+        long,
+        env = "TALLY_TEST_SCRIPT_PAUSE_MS",
+        default_value_t = 0,
+        hide = true
+    )]
+    pub test_script_pause_ms: u64,
 
     /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000.
     #[arg(short = 'X', long = "kafka-config", env = "TALLY_KAFKA_CONFIG", value_delimiter = ',', value_parser = parse_key_value)]
@@ -120,13 +136,14 @@ impl RunConfig {
         if self.group.trim().is_empty() {
             return Err(bad("group", "is empty"));
         }
-        if !(self.redis.starts_with("redis://") || self.redis.starts_with("rediss://")) {
+        if let Err(problem) = crate::store::Target::parse(&self.redis) {
+            let shown = crate::apply::redact_url(&self.redis);
+            return Err(bad("redis", format!("'{shown}': {problem}")));
+        }
+        if !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384 {
             return Err(bad(
-                "redis",
-                format!(
-                    "'{}' is not a redis:// URL",
-                    crate::apply::redact_url(&self.redis)
-                ),
+                "slot-groups",
+                "must be a power of two between 1 and 16384",
             ));
         }
         if self.buckets == 0 || self.buckets > 1 << 20 {

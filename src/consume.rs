@@ -23,17 +23,15 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use tracing::{debug, error, info, warn};
 
-use crate::apply::FenceReader;
+use crate::apply::{FenceReader, PartitionFences};
 
-/// A partition handed to this consumer, with the fence found for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A partition handed to this consumer, with the fences found for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Assignment {
     /// The partition.
     pub partition: i32,
-    /// The fence read from Redis; `None` when absent or unreadable.
-    pub fence: Option<i64>,
-    /// Whether the fence was read (so its absence is known, not assumed).
-    pub fence_read: bool,
+    /// Origin and slot-group fences read from Redis; `None` when unreadable.
+    pub fences: Option<PartitionFences>,
 }
 
 /// A change of ownership, queued by the rebalance callback for the main loop.
@@ -78,7 +76,7 @@ impl TallyContext {
     }
 
     /// Reads fences with a few quick retries; gives up rather than stall the group.
-    fn read_fences(&self, partitions: &[i32]) -> Option<Vec<Option<i64>>> {
+    fn read_fences(&self, partitions: &[i32]) -> Option<Vec<PartitionFences>> {
         for attempt in 1..=3 {
             match self.fences.read(partitions) {
                 Ok(fences) => return Some(fences),
@@ -99,28 +97,26 @@ impl TallyContext {
             .collect();
         let fences = self.read_fences(&partitions);
         let mut assignments = Vec::with_capacity(partitions.len());
+        let mut resume = Vec::with_capacity(partitions.len());
         for (i, &partition) in partitions.iter().enumerate() {
-            let fence = fences.as_ref().and_then(|f| f[i]);
-            if let Some(fence) = fence
-                && let Err(error) =
-                    tpl.set_partition_offset(&self.topic, partition, Offset::Offset(fence + 1))
+            let found = fences.as_ref().map(|f| f[i].clone());
+            let offset = found.as_ref().and_then(PartitionFences::resume_from);
+            if let Some(offset) = offset
+                && let Err(error) = tpl.set_partition_offset(&self.topic, partition, offset)
             {
                 error!(partition, %error, "Cannot position partition at its fence.");
             }
+            resume.push(match (offset, &found) {
+                (Some(Offset::Offset(o)), _) => format!("{partition}@{o}"),
+                (Some(_), _) => format!("{partition}@beginning(origin lost)"),
+                (None, Some(_)) => format!("{partition}@committed"),
+                (None, None) => format!("{partition}@committed(fences unreadable)"),
+            });
             assignments.push(Assignment {
                 partition,
-                fence,
-                fence_read: fences.is_some(),
+                fences: found,
             });
         }
-        let resume: Vec<String> = assignments
-            .iter()
-            .map(|a| match (a.fence, a.fence_read) {
-                (Some(fence), _) => format!("{}@{}", a.partition, fence + 1),
-                (None, true) => format!("{}@committed", a.partition),
-                (None, false) => format!("{}@committed(fence unreadable)", a.partition),
-            })
-            .collect();
         info!(partitions = %resume.join(" "), "Partitions assigned.");
         self.push(Rebalanced::Assigned(assignments));
         let result = match consumer.rebalance_protocol() {

@@ -277,6 +277,8 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         topic: topic.clone(),
         group: "tally-demo".into(),
         redis: redis_url.clone(),
+        slot_groups: 128,
+        test_script_pause_ms: 0,
         buckets: config.buckets,
         prefix: "tally".into(),
         dead_letter_topic: None,

@@ -1,96 +1,172 @@
-//! Fence: the decision that makes applying a batch exactly-once.
+//! Fence: the decision that makes applying a batch exactly-once, and the
+//! per-partition bookkeeping that feeds it.
 //!
-//! A fence is the last Kafka offset of one (group, topic, partition) whose
-//! effects are in Redis. It is stored beside the counters and advanced in the
-//! same atomic Lua script as the increments it covers (`apply.lua`), so counts
-//! and fence can only move, or roll back, together.
+//! A fence is the last Kafka offset of one (consumer group, topic, partition,
+//! slot group) whose effects are in Redis. It lives in the slot group's hash
+//! slot and is advanced by the same atomic Lua script as the increments it
+//! covers (`apply.lua`), so counts and fence can only move, or roll back,
+//! together. A single server has one slot group; a cluster has `G`.
 //!
-//! A batch claims the contiguous offset range `start..=last`: `start` is the
-//! position the consumer read from (not merely its first message), so a batch
-//! also vouches for offsets that held no message. The decision:
+//! Each partition also has an *origin*: the first offset tally ever counted
+//! for it. A slot group whose fence key is absent stands at `origin - 1`
+//! (nothing applied), so a fence lost with its primary's recent writes
+//! reads as "nothing applied" and is replayed from the origin.
 //!
-//! * no fence and none expected: **apply** (first batch ever);
-//! * `fence + 1 == start`: **apply**; the batch continues exactly where Redis is;
-//! * `fence >= last`: **duplicate**; everything is already in, do nothing;
-//! * `start <= fence < last`: **straddle**; part is in. Tally refuses the batch
-//!   and resumes reading at `fence + 1`, rebuilding the delta from the events
-//!   above the fence (two consumers cut different batch boundaries);
-//! * `fence + 1 < start`, or no fence where one was expected: **gap**; Redis lost
-//!   writes (restart from an AOF missing its last second, failover to a lagging
-//!   replica). Tally refuses and replays from `fence + 1`, or from the start of
-//!   the log when the fence itself is gone.
+//! A script for one group claims the contiguous offset range `start..=last`,
+//! where `start` is one past the fence the consumer believes in; `start` may lie
+//! below the first message of the range, vouching for offsets that held no
+//! event of that group. The decision:
 //!
-//! An empty range `next..=next-1` is a probe: a caught-up consumer sends one
-//! now and then, so a Redis that rolled back is noticed (as a gap) even when no
-//! new event arrives to reveal it.
+//! * `fence + 1 == start`: **apply**; the range continues exactly where Redis is;
+//! * `fence >= last`: **duplicate**; everything is already in (a retry, a zombie);
+//! * `start <= fence < last`: **straddle**; part is in, written by another
+//!   consumer that cut the log differently. Nothing is written; the consumer
+//!   re-reads from the lowest fence it now knows;
+//! * `fence + 1 < start`: **gap**; Redis lost writes (restart from an AOF
+//!   missing its last second, failover to a lagging replica). Nothing is
+//!   written; the consumer replays from `fence + 1`.
 //!
-//! Only "apply" writes, and it writes exactly offsets `fence+1..=last`, so every
-//! offset is counted once however batches are cut, retried, reordered or raced
-//! by a zombie. `apply.lua` implements this same table; the tests in
-//! `tests/apply_script.rs` check the two agree case by case.
+//! An empty range (`start == last + 1`) is a probe: it writes nothing and
+//! reveals a fence that rolled back while no new event arrived to show it.
+//!
+//! Only "apply" writes, and it writes exactly the group's events in offsets
+//! `fence+1..=last`, so every event is counted once however batches are cut,
+//! split over groups, retried, interrupted between groups, reordered or raced
+//! by a zombie. [`Tracker`] holds what the consumer knows of each group's
+//! fence and decides where to read from; the property test at the bottom
+//! drives it against a model store with independent per-group rollbacks.
 
-/// What to do with a batch covering `start..=last`.
+/// What a script did with a range `start..=last` of one slot group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Apply the whole batch and set the fence to `last`.
+    /// Applied: the fence is now `last`.
     Apply,
-    /// Everything is applied already; the batch is a no-op.
+    /// Already applied; nothing written.
     Duplicate,
-    /// Part of the batch is applied: resume reading at the given offset.
-    Straddle {
-        /// `fence + 1`.
-        resume: i64,
-    },
-    /// Redis is behind the batch: resume reading at `resume`
-    /// (`None`: the fence is gone, replay from the start of the log).
-    Gap {
-        /// `fence + 1`, or `None` when there is no fence.
-        resume: Option<i64>,
-    },
+    /// Partly applied by someone else; nothing written.
+    Straddle,
+    /// Redis is behind the range; nothing written.
+    Gap,
 }
 
-/// Decides the fate of a batch covering `start..=last` against `fence`.
-///
-/// `expect_fence` says the consumer has seen a fence for this partition in this
-/// assignment, so its absence means Redis lost it.
-pub fn decide(fence: Option<i64>, start: i64, last: i64, expect_fence: bool) -> Decision {
-    debug_assert!(start <= last + 1, "batch range {start}..={last}");
-    match fence {
-        None if expect_fence => Decision::Gap { resume: None },
-        None => Decision::Apply,
-        Some(f) if f >= last => Decision::Duplicate,
-        Some(f) if f + 1 == start => Decision::Apply,
-        Some(f) if f + 1 < start => Decision::Gap {
-            resume: Some(f + 1),
-        },
-        Some(f) => Decision::Straddle { resume: f + 1 },
+/// The decision for a range `start..=last` against the stored `fence`.
+pub fn decide(fence: i64, start: i64, last: i64) -> Decision {
+    debug_assert!(start <= last + 1, "range {start}..={last}");
+    if fence >= last {
+        Decision::Duplicate
+    } else if fence + 1 == start {
+        Decision::Apply
+    } else if fence + 1 < start {
+        Decision::Gap
+    } else {
+        Decision::Straddle
     }
 }
 
-/// Wire codes shared with `apply.lua`.
 impl Decision {
     /// The code `apply.lua` returns for this decision.
     pub fn code(self) -> i64 {
         match self {
             Decision::Apply => 0,
             Decision::Duplicate => 1,
-            Decision::Straddle { .. } => 2,
-            Decision::Gap { .. } => 3,
+            Decision::Straddle => 2,
+            Decision::Gap => 3,
         }
     }
 
-    /// Rebuilds a decision from `apply.lua`'s reply `(code, fence)`, where
-    /// `fence` is -1 when the fence key is absent.
-    pub fn from_reply(code: i64, fence: i64) -> Option<Decision> {
-        let fence = (fence >= 0).then_some(fence);
+    /// Reads a code returned by `apply.lua`.
+    pub fn from_code(code: i64) -> Option<Decision> {
         match code {
             0 => Some(Decision::Apply),
             1 => Some(Decision::Duplicate),
-            2 => Some(Decision::Straddle { resume: fence? + 1 }),
-            3 => Some(Decision::Gap {
-                resume: fence.map(|f| f + 1),
-            }),
+            2 => Some(Decision::Straddle),
+            3 => Some(Decision::Gap),
             _ => None,
+        }
+    }
+}
+
+/// A script's reply: its decision and the fence it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reply {
+    /// What the script did.
+    pub decision: Decision,
+    /// The group's fence before the call (`origin - 1` when the key was absent).
+    pub fence: i64,
+}
+
+/// What the consumer knows of one partition's slot-group fences.
+///
+/// Invariant: `known[g]` is a fence that group `g` really had at some point
+/// during this ownership, and everything the consumer reads from
+/// [`Tracker::resume_at`] on is all it needs: for every group, the events
+/// above its fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tracker {
+    known: Vec<i64>,
+}
+
+impl Tracker {
+    /// Starts from the fences read at assignment.
+    pub fn new(known: Vec<i64>) -> Self {
+        assert!(!known.is_empty());
+        Self { known }
+    }
+
+    /// Every group at the same fence.
+    pub fn uniform(groups: u32, fence: i64) -> Self {
+        Self::new(vec![fence; groups as usize])
+    }
+
+    /// The fence believed for a group.
+    pub fn known(&self, group: u32) -> i64 {
+        self.known[group as usize]
+    }
+
+    /// Where reading must start so every group sees all its missing events.
+    pub fn resume_at(&self) -> i64 {
+        self.known
+            .iter()
+            .copied()
+            .min()
+            .expect("at least one group")
+            + 1
+    }
+
+    /// Offsets at or below this are applied in at least one group; above it,
+    /// in none. An event above it belongs to its group without a check.
+    pub fn highest(&self) -> i64 {
+        self.known
+            .iter()
+            .copied()
+            .max()
+            .expect("at least one group")
+    }
+
+    /// Whether an event at `offset` of `group` still needs applying.
+    pub fn needs(&self, group: u32, offset: i64) -> bool {
+        offset > self.known[group as usize]
+    }
+
+    /// The range a script for `group` claims when the batch ends at `last`.
+    pub fn claim(&self, group: u32, last: i64) -> (i64, i64) {
+        (self.known[group as usize] + 1, last)
+    }
+
+    /// Records the reply for `group` to a claim ending at `last`. Returns
+    /// `true` when the group is exactly at `last` afterwards, so the events
+    /// already buffered beyond `last` remain valid for it.
+    pub fn record(&mut self, group: u32, last: i64, reply: Reply) -> bool {
+        let slot = &mut self.known[group as usize];
+        match reply.decision {
+            Decision::Apply => {
+                *slot = last;
+                true
+            }
+            Decision::Duplicate | Decision::Straddle | Decision::Gap => {
+                *slot = reply.fence;
+                reply.fence == last
+            }
         }
     }
 }
@@ -103,109 +179,151 @@ mod tests {
 
     #[test]
     fn the_decision_table() {
-        assert_eq!(decide(None, 0, 9, false), Decision::Apply);
-        assert_eq!(decide(None, 0, 9, true), Decision::Gap { resume: None });
-        assert_eq!(decide(Some(9), 10, 19, true), Decision::Apply);
-        assert_eq!(decide(Some(19), 10, 19, true), Decision::Duplicate);
-        assert_eq!(decide(Some(25), 10, 19, true), Decision::Duplicate);
-        assert_eq!(
-            decide(Some(14), 10, 19, true),
-            Decision::Straddle { resume: 15 }
-        );
-        assert_eq!(
-            decide(Some(10), 10, 19, true),
-            Decision::Straddle { resume: 11 }
-        );
-        assert_eq!(
-            decide(Some(4), 10, 19, true),
-            Decision::Gap { resume: Some(5) }
-        );
-        // An empty range at the consumer's position probes the fence.
-        assert_eq!(decide(Some(9), 10, 9, true), Decision::Duplicate);
-        assert_eq!(
-            decide(Some(6), 10, 9, true),
-            Decision::Gap { resume: Some(7) }
-        );
-        assert_eq!(decide(None, 10, 9, true), Decision::Gap { resume: None });
+        assert_eq!(decide(9, 10, 19), Decision::Apply);
+        assert_eq!(decide(-1, 0, 19), Decision::Apply);
+        assert_eq!(decide(19, 10, 19), Decision::Duplicate);
+        assert_eq!(decide(25, 10, 19), Decision::Duplicate);
+        assert_eq!(decide(14, 10, 19), Decision::Straddle);
+        assert_eq!(decide(10, 10, 19), Decision::Straddle);
+        assert_eq!(decide(4, 10, 19), Decision::Gap);
+        // Probes: an empty range at the consumer's position.
+        assert_eq!(decide(9, 10, 9), Decision::Duplicate);
+        assert_eq!(decide(6, 10, 9), Decision::Gap);
     }
 
     #[test]
-    fn reply_codes_round_trip() {
+    fn codes_round_trip() {
         for d in [
             Decision::Apply,
             Decision::Duplicate,
-            Decision::Straddle { resume: 8 },
-            Decision::Gap { resume: Some(3) },
-            Decision::Gap { resume: None },
+            Decision::Straddle,
+            Decision::Gap,
         ] {
-            let fence = match d {
-                Decision::Straddle { resume } => resume - 1,
-                Decision::Gap { resume } => resume.map_or(-1, |r| r - 1),
-                _ => 0,
-            };
-            assert_eq!(Decision::from_reply(d.code(), fence), Some(d));
+            assert_eq!(Decision::from_code(d.code()), Some(d));
         }
-        assert_eq!(Decision::from_reply(7, 0), None);
+        assert_eq!(Decision::from_code(9), None);
     }
 
-    /// The store as Redis holds it: counts per key and the fence.
-    #[derive(Clone, Default, Debug)]
+    #[test]
+    fn tracker_resumes_at_the_lowest_group() {
+        let mut t = Tracker::new(vec![9, 4, 12]);
+        assert_eq!(t.resume_at(), 5);
+        assert!(t.needs(1, 5) && !t.needs(0, 5) && !t.needs(2, 12));
+        assert_eq!(t.claim(1, 20), (5, 20));
+        assert!(t.record(
+            1,
+            20,
+            Reply {
+                decision: Decision::Apply,
+                fence: 4
+            }
+        ));
+        assert!(!t.record(
+            0,
+            20,
+            Reply {
+                decision: Decision::Gap,
+                fence: 3
+            }
+        ));
+        assert_eq!(t.resume_at(), 4);
+    }
+
+    /// Redis as seen by one partition: per slot group, counts and a fence.
+    /// Groups roll back independently, like primaries failing over.
+    #[derive(Clone, Debug)]
     struct Store {
-        counts: HashMap<u8, i64>,
-        fence: Option<i64>,
+        groups: Vec<(HashMap<u8, i64>, Option<i64>)>,
     }
 
-    /// A consumer that reads the log from a position and cuts batches of its own choosing.
+    const GROUPS: u32 = 3;
+    const ORIGIN: i64 = 0;
+
+    fn group_of(key: u8) -> u32 {
+        u32::from(key) % GROUPS
+    }
+
+    impl Store {
+        fn new() -> Self {
+            Self {
+                groups: vec![(HashMap::new(), None); GROUPS as usize],
+            }
+        }
+        fn fence(&self, g: u32) -> i64 {
+            self.groups[g as usize].1.unwrap_or(ORIGIN - 1)
+        }
+        /// The script: decide, and apply the group's events of the range if so.
+        fn script(&mut self, g: u32, start: i64, last: i64, deltas: &HashMap<u8, i64>) -> Reply {
+            let fence = self.fence(g);
+            let decision = decide(fence, start, last);
+            if decision == Decision::Apply {
+                let (counts, stored) = &mut self.groups[g as usize];
+                for (k, d) in deltas {
+                    *counts.entry(*k).or_default() += d;
+                }
+                *stored = Some(last);
+            }
+            Reply { decision, fence }
+        }
+    }
+
+    /// A consumer that runs the real [`Tracker`] over the log.
     struct Consumer {
+        tracker: Tracker,
         next: i64,
-        expect_fence: bool,
         cuts: Vec<usize>,
         turn: usize,
     }
 
     impl Consumer {
-        /// Builds the next batch, offers it to the store, and reacts to the decision.
-        fn step(&mut self, log: &[(u8, i64)], store: &mut Store) -> Option<Decision> {
+        fn assigned(store: &Store, cuts: Vec<usize>) -> Self {
+            let tracker = Tracker::new((0..GROUPS).map(|g| store.fence(g)).collect());
+            let next = tracker.resume_at();
+            Self {
+                tracker,
+                next,
+                cuts,
+                turn: 0,
+            }
+        }
+
+        /// Reads one batch and sends one script per group; `crash_after`
+        /// stops after that many scripts (a kill between scripts).
+        fn step(&mut self, log: &[(u8, i64)], store: &mut Store, crash_after: Option<usize>) {
             let len = log.len() as i64;
-            let (start, last) = if self.next >= len {
-                // Caught up: an empty range probes the fence, so a Redis that
-                // rolled back is noticed even when no new event arrives.
-                if self.next == 0 {
-                    return None;
-                }
-                (self.next, self.next - 1)
-            } else {
-                let size = self.cuts[self.turn % self.cuts.len()] as i64;
-                self.turn += 1;
-                (self.next, (self.next + size - 1).min(len - 1))
-            };
-            let decision = decide(store.fence, start, last, self.expect_fence);
-            match decision {
-                Decision::Apply => {
-                    for &(key, delta) in &log[start as usize..(last + 1) as usize] {
-                        *store.counts.entry(key).or_default() += delta;
-                    }
-                    store.fence = Some(last);
-                    self.next = last + 1;
-                    self.expect_fence = true;
-                }
-                Decision::Duplicate => {
-                    self.next = last + 1;
-                    self.expect_fence = true;
-                }
-                Decision::Straddle { resume }
-                | Decision::Gap {
-                    resume: Some(resume),
-                } => {
-                    self.next = resume;
-                    self.expect_fence = true;
-                }
-                Decision::Gap { resume: None } => {
-                    self.next = 0;
-                    self.expect_fence = false;
+            let size = self.cuts[self.turn % self.cuts.len()] as i64;
+            self.turn += 1;
+            let last = (self.next + size - 1).min(len - 1).max(self.next - 1);
+            let mut per_group: Vec<HashMap<u8, i64>> = vec![HashMap::new(); GROUPS as usize];
+            for offset in self.next..=last {
+                let (key, delta) = log[offset as usize];
+                let g = group_of(key);
+                if self.tracker.needs(g, offset) {
+                    *per_group[g as usize].entry(key).or_default() += delta;
                 }
             }
-            Some(decision)
+            let mut continues = true;
+            for g in 0..GROUPS {
+                if crash_after.is_some_and(|n| g as usize >= n) {
+                    return;
+                }
+                if per_group[g as usize].is_empty() && self.turn % 2 == 1 {
+                    // Untouched groups are advanced only now and then, as in `run`.
+                    continue;
+                }
+                let (start, end) = self.tracker.claim(g, last);
+                if start > end + 1 {
+                    // The group is already past this batch.
+                    continue;
+                }
+                let reply = store.script(g, start, end, &per_group[g as usize]);
+                continues &= self.tracker.record(g, last, reply);
+            }
+            self.next = if continues {
+                last + 1
+            } else {
+                self.tracker.resume_at()
+            };
         }
     }
 
@@ -213,88 +331,79 @@ mod tests {
     enum Op {
         StepA,
         StepB,
-        /// Redis restarts from an older snapshot: counts and fence roll back together.
-        Rollback(usize),
-        /// Consumer B is reassigned and resumes at the fence it reads.
-        RestartAtFence,
-        /// Consumer B is reassigned but could not read the fence: it resumes at
-        /// Kafka's committed offset, which may be behind or (after a rollback) ahead.
-        RestartAtCommitted,
+        /// A is killed between the scripts of a batch and comes back.
+        CrashA(usize),
+        /// One group's primary fails over to a replica that lags by some steps.
+        Rollback(u32, usize),
+        /// B is reassigned: it reads the fences again.
+        ReassignB,
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            6 => Just(Op::StepA),
-            6 => Just(Op::StepB),
-            1 => (0usize..8).prop_map(Op::Rollback),
-            1 => Just(Op::RestartAtFence),
-            1 => Just(Op::RestartAtCommitted),
+            5 => Just(Op::StepA),
+            5 => Just(Op::StepB),
+            1 => (0usize..GROUPS as usize).prop_map(Op::CrashA),
+            1 => (0..GROUPS, 0usize..6).prop_map(|(g, k)| Op::Rollback(g, k)),
+            1 => Just(Op::ReassignB),
         ]
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #![proptest_config(ProptestConfig::with_cases(3000))]
 
         /// Two consumers with different batch boundaries race over one
-        /// partition, Redis rolls back at random, B is reassigned at random, and
-        /// after every step the store holds exactly the log's prefix up to the
-        /// fence; at the end it holds the whole log: every offset counted once.
+        /// partition, one is killed between the scripts of a batch, groups
+        /// roll back independently, and after every step each group holds
+        /// exactly its events up to its fence. Draining with a fresh owner
+        /// counts every event exactly once.
         #[test]
-        fn random_interleavings_count_every_offset_once(
-            log in proptest::collection::vec((0u8..6, prop_oneof![Just(1i64), Just(-1i64), Just(0i64)]), 1..120),
-            cuts_a in proptest::collection::vec(1usize..25, 1..6),
-            cuts_b in proptest::collection::vec(1usize..25, 1..6),
-            ops in proptest::collection::vec(op(), 0..80),
+        fn every_event_is_counted_once(
+            log in proptest::collection::vec((0u8..7, prop_oneof![Just(1i64), Just(-1i64)]), 1..100),
+            cuts_a in proptest::collection::vec(1usize..20, 1..5),
+            cuts_b in proptest::collection::vec(1usize..20, 1..5),
+            ops in proptest::collection::vec(op(), 0..60),
         ) {
-            let mut store = Store::default();
-            let mut snapshots = vec![store.clone()];
-            let mut committed = 0i64;
-            let mut a = Consumer { next: 0, expect_fence: false, cuts: cuts_a, turn: 0 };
-            let mut b = Consumer { next: 0, expect_fence: false, cuts: cuts_b, turn: 0 };
+            let mut store = Store::new();
+            let mut history = vec![store.clone()];
+            let mut a = Consumer::assigned(&store, cuts_a.clone());
+            let mut b = Consumer::assigned(&store, cuts_b.clone());
             for op in ops {
                 match op {
-                    Op::StepA | Op::StepB => {
-                        let consumer = if matches!(op, Op::StepA) { &mut a } else { &mut b };
-                        let decision = consumer.step(&log, &mut store);
-                        if matches!(decision, Some(Decision::Apply | Decision::Duplicate)) {
-                            // Kafka commits after success; the latest commit wins.
-                            committed = consumer.next;
-                        }
+                    Op::StepA => a.step(&log, &mut store, None),
+                    Op::StepB => b.step(&log, &mut store, None),
+                    Op::CrashA(n) => {
+                        a.step(&log, &mut store, Some(n));
+                        a = Consumer::assigned(&store, cuts_a.clone());
                     }
-                    Op::Rollback(back) => {
-                        let i = snapshots.len().saturating_sub(1 + back);
-                        // Losing the fence key entirely while Kafka holds a commit is
-                        // total loss of Redis, which no fence can detect: out of model.
-                        if snapshots[i].fence.is_some() || committed == 0 {
-                            store = snapshots[i].clone();
-                        }
+                    Op::Rollback(g, back) => {
+                        let old = &history[history.len().saturating_sub(1 + back)];
+                        store.groups[g as usize] = old.groups[g as usize].clone();
                     }
-                    Op::RestartAtFence => {
-                        b.next = store.fence.map_or(committed, |f| f + 1);
-                        b.expect_fence = store.fence.is_some();
-                    }
-                    Op::RestartAtCommitted => {
-                        b.next = committed;
-                        b.expect_fence = false;
-                    }
+                    Op::ReassignB => b = Consumer::assigned(&store, cuts_b.clone()),
                 }
-                snapshots.push(store.clone());
-                let applied = store.fence.map_or(0, |f| f as usize + 1);
-                let mut expected: HashMap<u8, i64> = HashMap::new();
-                for &(key, delta) in &log[..applied] {
-                    *expected.entry(key).or_default() += delta;
+                history.push(store.clone());
+                for g in 0..GROUPS {
+                    let applied = (store.fence(g) + 1) as usize;
+                    let mut expected: HashMap<u8, i64> = HashMap::new();
+                    for &(key, delta) in log[..applied].iter().filter(|(k, _)| group_of(*k) == g) {
+                        *expected.entry(key).or_default() += delta;
+                    }
+                    expected.retain(|_, v| *v != 0);
+                    let mut got = store.groups[g as usize].0.clone();
+                    got.retain(|_, v| *v != 0);
+                    prop_assert_eq!(got, expected, "group {}", g);
                 }
-                expected.retain(|_, v| *v != 0);
-                let mut got = store.counts.clone();
-                got.retain(|_, v| *v != 0);
-                prop_assert_eq!(got, expected);
             }
-            // Drain: B, the consumer that owns the partition now, reaches the end.
+            let end = log.len() as i64 - 1;
+            let mut owner = Consumer::assigned(&store, cuts_b);
             for _ in 0..10_000 {
-                if store.fence == Some(log.len() as i64 - 1) { break; }
-                let _ = b.step(&log, &mut store);
+                if (0..GROUPS).all(|g| store.fence(g) == end) { break; }
+                owner.step(&log, &mut store, None);
             }
-            prop_assert_eq!(store.fence, Some(log.len() as i64 - 1));
+            for g in 0..GROUPS {
+                prop_assert_eq!(store.fence(g), end);
+            }
         }
     }
 }

@@ -20,6 +20,8 @@
 //!
 //! * [`fence`]: the pure apply / duplicate / straddle / gap decision.
 //! * [`routing`]: the stable hash, buckets and the Redis key layout.
+//! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
+//! * [`store`]: connections to one Redis server or a cluster.
 //! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
 //! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
 //! * [`config`], [`metrics`], [`retry`]: settings, metric names, backoff and
@@ -46,3 +48,5 @@ pub mod proto;
 pub mod retry;
 pub mod routing;
 pub mod run;
+pub mod slots;
+pub mod store;

@@ -18,8 +18,13 @@ pub const EVENTS: &str = "tally_events_total";
 pub const BAD_MESSAGES: &str = "tally_bad_messages_total";
 /// Messages copied to the dead-letter topic.
 pub const DEAD_LETTERS: &str = "tally_dead_letters_total";
-/// Batches sent to Redis, by `outcome` (applied, duplicate, straddle, gap).
+/// Batches finished, by `outcome`: `applied` (every script landed or was
+/// already in) or `resync` (a fence disagreed; the partition re-reads).
 pub const BATCHES: &str = "tally_batches_total";
+/// Lua script replies, by `outcome` (applied, duplicate, straddle, gap).
+pub const SCRIPTS: &str = "tally_scripts_total";
+/// Counter keys per script.
+pub const SCRIPT_KEYS: &str = "tally_script_keys";
 /// Counter increments performed by applied batches.
 pub const INCREMENTS: &str = "tally_increments_total";
 /// Time from sending a batch's script to its reply, retries included.
@@ -43,6 +48,9 @@ pub fn describe() {
         counter!(BAD_MESSAGES, "reason" => reason.as_str()).absolute(0);
     }
     for outcome in ["applied", "duplicate", "straddle", "gap"] {
+        counter!(SCRIPTS, "outcome" => outcome).absolute(0);
+    }
+    for outcome in ["applied", "resync"] {
         counter!(BATCHES, "outcome" => outcome).absolute(0);
     }
     for name in [
@@ -90,32 +98,37 @@ pub fn dead_lettered() {
     counter!(DEAD_LETTERS).increment(1);
 }
 
-/// Records the reply to one batch.
+/// Records one script's reply.
+pub fn script_done(decision: Decision, keys: usize) {
+    let outcome = match decision {
+        Decision::Apply => "applied",
+        Decision::Duplicate => "duplicate",
+        Decision::Straddle => "straddle",
+        Decision::Gap => "gap",
+    };
+    counter!(SCRIPTS, "outcome" => outcome).increment(1);
+    histogram!(SCRIPT_KEYS).record(keys as f64);
+}
+
+/// Records a finished batch: `increments` counters written by its applied
+/// scripts; `applied` when the partition carries on, `false` on a resync.
 pub fn batch_done(
     stats: &Stats,
-    decision: Decision,
+    applied: bool,
     messages: u64,
     bad: u64,
     increments: usize,
     took: Duration,
 ) {
-    let outcome = match decision {
-        Decision::Apply => "applied",
-        Decision::Duplicate => "duplicate",
-        Decision::Straddle { .. } => "straddle",
-        Decision::Gap { .. } => "gap",
-    };
-    counter!(BATCHES, "outcome" => outcome).increment(1);
+    counter!(BATCHES, "outcome" => if applied { "applied" } else { "resync" }).increment(1);
     histogram!(APPLY_SECONDS).record(took.as_secs_f64());
     histogram!(BATCH_MESSAGES).record(messages as f64);
-    if decision == Decision::Apply {
+    counter!(INCREMENTS).increment(increments as u64);
+    stats
+        .increments
+        .fetch_add(increments as u64, Ordering::Relaxed);
+    if applied {
         counter!(EVENTS).increment(messages - bad);
-        counter!(INCREMENTS).increment(increments as u64);
-        stats
-            .increments
-            .fetch_add(increments as u64, Ordering::Relaxed);
-    }
-    if matches!(decision, Decision::Apply | Decision::Duplicate) {
         stats.messages.fetch_add(messages, Ordering::Relaxed);
         stats.batches.fetch_add(1, Ordering::Relaxed);
     }
@@ -160,6 +173,12 @@ pub fn serve(addr: std::net::SocketAddr) -> Result<(), String> {
             b.set_buckets_for_metric(
                 metrics_exporter_prometheus::Matcher::Full(BATCH_MESSAGES.to_string()),
                 &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6],
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full(SCRIPT_KEYS.to_string()),
+                &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4],
             )
         })
         .and_then(|b| b.install())

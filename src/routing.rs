@@ -13,6 +13,8 @@ use std::fmt::Write as _;
 
 use xxhash_rust::xxh64::xxh64;
 
+use crate::slots::SlotGroups;
+
 /// Seed of the stable hash. Part of the public contract.
 pub const STABLE_HASH_SEED: u64 = 0;
 
@@ -31,25 +33,45 @@ pub fn bucket_of(user_id: u64, buckets: u32) -> u32 {
 
 /// Names every Redis key tally writes, under one prefix.
 ///
-/// Counter keys are `<prefix>:likes:<post_id>:<bucket>`; the sum of all keys
-/// matching `<prefix>:likes:<post_id>:*` is the post's count, and nothing else
-/// ever matches that pattern. Fences live under `<prefix>:fence:`.
+/// Counter keys are `<prefix>:likes:<post_id>:<bucket>`, followed on a cluster
+/// by `:{<tag>}`, the computed hash tag of the key's slot group (see
+/// [`crate::slots`]). The sum of all keys matching `<prefix>:likes:<post_id>:*`
+/// is the post's count, and nothing else ever matches that pattern. Fences
+/// live under `<prefix>:fence:`, origins under `<prefix>:origin:`.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
     prefix: String,
+    groups: SlotGroups,
 }
 
 impl KeyLayout {
-    /// A layout rooted at `prefix` (for example `tally`).
+    /// The single-server layout rooted at `prefix` (for example `tally`).
     pub fn new(prefix: impl Into<String>) -> Self {
+        Self::with_groups(prefix, SlotGroups::single())
+    }
+
+    /// A layout with the given slot groups.
+    pub fn with_groups(prefix: impl Into<String>, groups: SlotGroups) -> Self {
         Self {
             prefix: prefix.into(),
+            groups,
         }
     }
 
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The slot groups keys are spread over.
+    pub fn groups(&self) -> &SlotGroups {
+        &self.groups
+    }
+
+    fn write_tag(&self, out: &mut String, group: u32) {
+        if let Some(tag) = self.groups.tag(group) {
+            let _ = write!(out, ":{{{tag}}}");
+        }
     }
 
     /// Writes the counter key of (post, bucket) into `out`, replacing its contents.
@@ -59,6 +81,7 @@ impl KeyLayout {
         out.clear();
         // Writing to a String cannot fail.
         let _ = write!(out, "{}:likes:{}:{}", self.prefix, post_id, bucket);
+        self.write_tag(out, self.groups.group_of(post_id, bucket));
     }
 
     /// The counter key of (post, bucket).
@@ -73,10 +96,20 @@ impl KeyLayout {
         format!("{}:likes:{}:*", self.prefix, post_id)
     }
 
-    /// The fence key of one (consumer group, topic, partition): it holds the
-    /// last applied Kafka offset as a decimal integer.
-    pub fn fence_key(&self, group: &str, topic: &str, partition: i32) -> String {
-        format!("{}:fence:{}:{}:{}", self.prefix, group, topic, partition)
+    /// The fence key of one (consumer group, topic, partition, slot group): it
+    /// holds the last applied Kafka offset as a decimal integer.
+    pub fn fence_key(&self, group: &str, topic: &str, partition: i32, slot_group: u32) -> String {
+        let mut key = format!("{}:fence:{}:{}:{}", self.prefix, group, topic, partition);
+        self.write_tag(&mut key, slot_group);
+        key
+    }
+
+    /// The origin key of one (consumer group, topic, partition): the first
+    /// offset tally counted for it. Lives in slot group 0.
+    pub fn origin_key(&self, group: &str, topic: &str, partition: i32) -> String {
+        let mut key = format!("{}:origin:{}:{}:{}", self.prefix, group, topic, partition);
+        self.write_tag(&mut key, 0);
+        key
     }
 
     /// Parses a counter key back into (post, bucket); `None` for any other key.
@@ -84,8 +117,14 @@ impl KeyLayout {
         let rest = key
             .strip_prefix(self.prefix.as_str())?
             .strip_prefix(":likes:")?;
-        let (post, bucket) = rest.split_once(':')?;
-        Some((post.parse().ok()?, bucket.parse().ok()?))
+        let mut parts = rest.splitn(3, ':');
+        let post = parts.next()?.parse().ok()?;
+        let bucket = parts.next()?.parse().ok()?;
+        match parts.next() {
+            None => Some((post, bucket)),
+            Some(tag) if tag.starts_with('{') && tag.ends_with('}') => Some((post, bucket)),
+            Some(_) => None,
+        }
     }
 }
 
@@ -123,7 +162,16 @@ mod tests {
         let keys = KeyLayout::new("tally");
         assert_eq!(keys.counter_key(101, 3), "tally:likes:101:3");
         assert_eq!(keys.post_pattern(101), "tally:likes:101:*");
-        assert_eq!(keys.fence_key("g", "likes", 7), "tally:fence:g:likes:7");
+        assert_eq!(keys.fence_key("g", "likes", 7, 0), "tally:fence:g:likes:7");
+        assert_eq!(keys.origin_key("g", "likes", 7), "tally:origin:g:likes:7");
+        let cluster = KeyLayout::with_groups("tally", SlotGroups::cluster(16));
+        let key = cluster.counter_key(101, 3);
+        assert!(key.starts_with("tally:likes:101:3:{"), "{key}");
+        assert_eq!(cluster.parse_counter_key(&key), Some((101, 3)));
+        let slot = crate::slots::key_slot(key.as_bytes());
+        let group = cluster.groups().group_of(101, 3);
+        let fence = cluster.fence_key("g", "likes", 7, group);
+        assert_eq!(crate::slots::key_slot(fence.as_bytes()), slot);
         assert_eq!(keys.parse_counter_key("tally:likes:101:3"), Some((101, 3)));
         assert_eq!(keys.parse_counter_key("tally:fence:g:likes:7"), None);
         assert_eq!(keys.parse_counter_key("other:likes:1:2"), None);
@@ -146,7 +194,8 @@ mod tests {
         #[test]
         fn fences_never_match_the_read_pattern(group in "[a-z:]{1,8}", topic in "[a-z]{1,8}", partition in 0i32..1000) {
             let keys = KeyLayout::new("tally");
-            prop_assert_eq!(keys.parse_counter_key(&keys.fence_key(&group, &topic, partition)), None);
+            prop_assert_eq!(keys.parse_counter_key(&keys.fence_key(&group, &topic, partition, 0)), None);
+            prop_assert_eq!(keys.parse_counter_key(&keys.origin_key(&group, &topic, partition)), None);
         }
     }
 }

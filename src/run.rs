@@ -4,12 +4,16 @@
 //!
 //! Invariants kept here:
 //! * per partition, at most one batch is in flight and batches are applied in
-//!   offset order; scripts of different partitions run concurrently, up to
-//!   `--max-in-flight`;
+//!   offset order; the scripts of one batch (one per slot group) run
+//!   concurrently, and so do batches of different partitions, up to
+//!   `--max-in-flight` batches;
+//! * an event is added to a batch only if its slot group's fence is below it,
+//!   so groups left ahead by a crash between scripts are not given it twice;
 //! * a batch covers a contiguous range that starts at the position the
 //!   partition was read from, so the fence can tell a continuation from a gap;
-//! * after a straddle or a gap the partition's buffer is dropped and reading
-//!   restarts at the offset the fence names;
+//! * after any reply that moves a group's fence elsewhere than the batch's end
+//!   (straddle, gap, a duplicate ahead), the partition's buffer is dropped and
+//!   reading restarts at the lowest fence;
 //! * a revoked partition's buffer is dropped; a batch already in flight may
 //!   finish (the fence keeps it exact) but is never committed by this owner;
 //! * everything is bounded: a partition whose batch is full and still waiting
@@ -28,18 +32,20 @@ use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::Offset;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
-use crate::aggregate::{Batch, ClosedBatch, Limits};
-use crate::apply::{Applier, ApplyError, ConnectError, FenceReader};
+use crate::aggregate::{Batch, ClosedBatch, CounterId, Limits};
+use crate::apply::{Applier, ApplyError, ConnectError, FenceReader, PartitionFences, Prepared};
 use crate::commit::Committer;
 use crate::config::{ConfigError, RunConfig};
 use crate::consume::{self, LikeConsumer, Rebalanced, TallyContext, TopicError};
 use crate::dead_letter::{DeadLetter, DeadLetters, Pending};
 use crate::decode::decode;
-use crate::fence::Decision;
+use crate::fence::{Decision, Reply, Tracker};
 use crate::metrics::{self, Stats};
-use crate::routing::KeyLayout;
+use crate::routing::{KeyLayout, bucket_of};
+use crate::slots::SlotGroups;
+use crate::store::Target;
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -64,16 +70,6 @@ pub enum RunError {
         /// The error.
         source: ApplyError,
     },
-    /// The consumer could not be moved back to the fence.
-    #[error("partition {partition}: cannot seek to {offset:?}: {source}")]
-    Seek {
-        /// The partition.
-        partition: i32,
-        /// Where it had to go.
-        offset: Offset,
-        /// The client error.
-        source: rdkafka::error::KafkaError,
-    },
 }
 
 /// A partition this consumer owns.
@@ -83,25 +79,145 @@ struct Owned {
     /// The offset the next accepted message must be at or after; the start
     /// of the next batch's range. `None` until the first message shows it.
     next: Option<i64>,
-    /// Whether a fence is known to exist (its absence would mean Redis lost it).
-    expect_fence: bool,
+    /// Origin and group fences, once known (at assignment, or established by
+    /// the first batch).
+    known: Option<(i64, Tracker)>,
+    /// What the assignment read, when it did not give the origin.
+    assigned: Option<PartitionFences>,
     batch: Batch,
     letters: Vec<Pending>,
-    /// When Redis last confirmed the fence for this ownership.
+    /// Per slot group, when it last received a script.
+    advanced_at: Vec<Instant>,
+    /// When Redis last confirmed the fences of this ownership.
     verified_at: Instant,
+    /// A seek the consumer has not accepted yet (librdkafka refuses seeks on a
+    /// partition whose fetcher is still starting); messages are dropped until
+    /// it succeeds, so nothing read from the old position enters a batch.
+    pending_seek: Option<i64>,
 }
 
-/// How often a caught-up partition probes its fence (see [`crate::fence`]).
+/// How often a caught-up partition probes its fences, and how often a slot
+/// group without events gets an empty script to keep its fence recent.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// The outcome of a dispatched batch.
+enum Finished {
+    /// Scripts ran; `established` is set when this batch learned the fences.
+    Scripts {
+        established: Option<(i64, Tracker)>,
+        replies: Vec<(u32, Reply, usize)>,
+    },
+    /// The fences found do not continue this batch: re-read from them.
+    Resync { known: (i64, Tracker) },
+}
 
 /// The reply to one dispatched batch.
 struct Done {
     partition: i32,
     epoch: u64,
-    batch: ClosedBatch,
-    increments: usize,
+    start: i64,
+    last: i64,
+    messages: u64,
+    bad: u64,
     took: Duration,
-    result: Result<Decision, ApplyError>,
+    result: Result<Finished, ApplyError>,
+}
+
+/// The scripts of one batch: one per slot group that has events, is due an
+/// advance, or (`all`) every group.
+fn plan(
+    partition: i32,
+    batch: &mut ClosedBatch,
+    groups: &SlotGroups,
+    known: &(i64, Tracker),
+    mut due: impl FnMut(u32) -> bool,
+) -> Vec<Prepared> {
+    let (origin, tracker) = known;
+    let mut split = batch.split(groups);
+    let mut scripts = Vec::new();
+    for (g, deltas) in split.iter_mut().enumerate() {
+        let g = g as u32;
+        let (start, last) = tracker.claim(g, batch.last);
+        if start > last + 1 || (deltas.is_empty() && !due(g)) {
+            continue;
+        }
+        scripts.push(Prepared {
+            partition,
+            group: g,
+            start,
+            last,
+            absent_fence: origin - 1,
+            deltas: std::mem::take(deltas),
+        });
+    }
+    scripts
+}
+
+/// Sends scripts, concurrently, or one by one with a pause when testing
+/// crashes between the scripts of a batch.
+async fn send(
+    applier: &Applier,
+    scripts: Vec<Prepared>,
+    pause: Duration,
+    abandon: &CancellationToken,
+) -> Result<Vec<(u32, Reply, usize)>, ApplyError> {
+    if pause.is_zero() {
+        let replies =
+            futures::future::join_all(scripts.iter().map(|p| applier.apply(p, abandon))).await;
+        scripts
+            .iter()
+            .zip(replies)
+            .map(|(p, r)| r.map(|reply| (p.group, reply, p.increments())))
+            .collect()
+    } else {
+        let mut replies = Vec::with_capacity(scripts.len());
+        for p in &scripts {
+            replies.push((p.group, applier.apply(p, abandon).await?, p.increments()));
+            tokio::time::sleep(pause).await;
+        }
+        Ok(replies)
+    }
+}
+
+/// First batch of an ownership without a known origin: read the fences if the
+/// assignment could not, record the origin, and decide whether this batch,
+/// read from `batch.start` without any filtering, can be applied.
+async fn establish(
+    applier: &Applier,
+    partition: i32,
+    assigned: Option<PartitionFences>,
+    start: i64,
+    abandon: &CancellationToken,
+) -> Result<((i64, Tracker), bool), ApplyError> {
+    let fences = match assigned {
+        Some(fences) => fences,
+        None => {
+            let mut backoff = crate::retry::Backoff::standard();
+            loop {
+                match applier.read_fences(partition).await {
+                    Ok(fences) => break fences,
+                    Err(error) => {
+                        warn!(partition, %error, "Cannot read fences; retrying.");
+                        tokio::select! {
+                            _ = abandon.cancelled() => return Err(ApplyError::Cancelled),
+                            _ = tokio::time::sleep(backoff.next_delay()) => {}
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let origin = match fences.origin {
+        Some(origin) => origin,
+        None => applier.origin(partition, start, abandon).await?,
+    };
+    let fences = PartitionFences {
+        origin: Some(origin),
+        ..fences
+    };
+    let known = fences.tracker().expect("origin is set");
+    let fits = (0..applier.keys().groups().count()).all(|g| known.1.known(g) == start - 1);
+    Ok((known, fits))
 }
 
 /// Runs the aggregator until `shutdown` is cancelled or a fatal error.
@@ -111,14 +227,24 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
     config.validate()?;
-    let keys = KeyLayout::new(&config.prefix);
+    let shown = crate::apply::redact_url(&config.redis);
+    let target = Target::parse(&config.redis).map_err(|problem| ConnectError::BadUrl {
+        url: shown.clone(),
+        problem,
+    })?;
+    let groups = if target.is_cluster() {
+        SlotGroups::cluster(config.slot_groups)
+    } else {
+        SlotGroups::single()
+    };
+    let keys = KeyLayout::with_groups(&config.prefix, groups);
     let applier =
         Applier::connect(&config.redis, keys.clone(), &config.group, &config.topic).await?;
     let fences =
-        FenceReader::new(&config.redis, keys, &config.group, &config.topic).map_err(|source| {
+        FenceReader::new(&config.redis, keys, &config.group, &config.topic).map_err(|problem| {
             ConnectError::BadUrl {
-                url: config.redis.clone(),
-                source,
+                url: shown,
+                problem,
             }
         })?;
     let consumer = consume::create_consumer(
@@ -211,19 +337,23 @@ impl Pipeline {
                 received = self.consumer.recv(), if !self.blocked => {
                     match received {
                         Ok(message) => {
-                            let (partition, offset) = (message.partition(), message.offset());
+                            let partition = message.partition();
                             let changes = self.consumer.context().take_changes();
-                            if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, changes) {
+                            let groups = self.applier.keys().groups().count() as usize;
+                            if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
                                 self.blocked = false;
                             }
-                            let accepted = Self::accept(&mut self.owned, &self.consumer, &message, &self.config, &self.stats, self.dead_letters.as_deref());
+                            let accepted = Self::accept(&mut self.owned, self.applier.keys().groups(), &message, &self.config, &self.stats, self.dead_letters.as_deref());
                             drop(message);
-                            if accepted { self.after_accept(partition, offset); }
+                            if accepted { self.after_accept(partition); }
                         }
                         Err(error) => warn!(%error, "Kafka consumer error."),
                     }
                 }
-                _ = tick.tick() => self.dispatch_ready(false),
+                _ = tick.tick() => {
+                    self.retry_seeks();
+                    self.dispatch_ready(false);
+                }
             }
         }
     }
@@ -231,10 +361,12 @@ impl Pipeline {
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
+        let groups = self.applier.keys().groups().count() as usize;
         if Self::apply_changes(
             &mut self.owned,
             &mut self.committer,
             &mut self.epochs,
+            groups,
             changes,
         ) {
             self.blocked = false;
@@ -249,6 +381,7 @@ impl Pipeline {
         owned: &mut HashMap<i32, Owned>,
         committer: &mut Committer,
         epochs: &mut u64,
+        groups: usize,
         changes: Vec<Rebalanced>,
     ) -> bool {
         let any = !changes.is_empty();
@@ -257,15 +390,19 @@ impl Pipeline {
                 Rebalanced::Assigned(assignments) => {
                     for a in assignments {
                         *epochs += 1;
+                        let known = a.fences.as_ref().and_then(PartitionFences::tracker);
                         owned.insert(
                             a.partition,
                             Owned {
                                 epoch: *epochs,
-                                next: a.fence.map(|f| f + 1),
-                                expect_fence: a.fence.is_some(),
+                                next: known.as_ref().map(|(_, t)| t.resume_at()),
+                                assigned: if known.is_some() { None } else { a.fences },
+                                known,
                                 batch: Batch::new(),
                                 letters: Vec::new(),
+                                advanced_at: vec![Instant::now(); groups],
                                 verified_at: Instant::now(),
+                                pending_seek: None,
                             },
                         );
                     }
@@ -292,26 +429,37 @@ impl Pipeline {
     /// or stale.
     fn accept(
         owned: &mut HashMap<i32, Owned>,
-        consumer: &LikeConsumer,
+        groups: &SlotGroups,
         message: &BorrowedMessage<'_>,
         config: &RunConfig,
         stats: &Stats,
         dead_letters: Option<&DeadLetters>,
     ) -> bool {
-        // Callbacks run inside recv(): ownership may have changed; the caller
-        // applies the queued changes before the next message.
-        let _ = consumer;
         let partition = message.partition();
         let offset = message.offset();
         let Some(state) = owned.get_mut(&partition) else {
             return false;
         };
-        if state.next.is_some_and(|next| offset < next) {
+        if state.pending_seek.is_some() || state.next.is_some_and(|next| offset < next) {
             return false;
         }
         let start = state.next.unwrap_or(offset);
         match decode(message.payload()) {
-            Ok(like) => state.batch.add(start, offset, like, config.buckets),
+            Ok(like) => {
+                let id = CounterId {
+                    post_id: like.post_id,
+                    bucket: bucket_of(like.user_id, config.buckets),
+                };
+                let already_in = state.known.as_ref().is_some_and(|(_, t)| {
+                    offset <= t.highest()
+                        && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
+                });
+                if already_in {
+                    state.batch.add_applied(start, offset);
+                } else {
+                    state.batch.add(start, offset, id, like.delta);
+                }
+            }
             Err(reason) => {
                 warn!(partition, offset, %reason, "Bad message skipped.");
                 metrics::bad_message(stats, reason);
@@ -331,7 +479,7 @@ impl Pipeline {
         true
     }
 
-    fn after_accept(&mut self, partition: i32, _offset: i64) {
+    fn after_accept(&mut self, partition: i32) {
         // Ownership changes queued during recv() take effect before anything else.
         self.apply_rebalances();
         let full = self
@@ -348,7 +496,7 @@ impl Pipeline {
     }
 
     /// Dispatches every batch that is full or old enough (or any, when
-    /// flushing), and probes the fence of partitions that are caught up.
+    /// flushing), and probes the fences of partitions that are caught up.
     fn dispatch_ready(&mut self, flush_all: bool) {
         let ready: Vec<i32> = self
             .owned
@@ -356,9 +504,7 @@ impl Pipeline {
             .filter(|(p, s)| {
                 !self.busy.contains(p)
                     && if s.batch.is_empty() {
-                        !flush_all
-                            && s.next.is_some_and(|next| next > 0)
-                            && s.verified_at.elapsed() >= PROBE_EVERY
+                        !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
                     } else {
                         flush_all
                             || s.batch.is_full(&self.limits)
@@ -373,7 +519,7 @@ impl Pipeline {
         self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
     }
 
-    /// Sends a partition's batch (or, when it has none, a probe of its fence)
+    /// Sends a partition's batch (or, when it has none, a probe of its fences)
     /// to Redis if the partition is idle and a slot is free.
     fn dispatch(&mut self, partition: i32) {
         if self.busy.contains(&partition) || self.busy.len() >= self.config.max_in_flight {
@@ -382,40 +528,73 @@ impl Pipeline {
         let Some(state) = self.owned.get_mut(&partition) else {
             return;
         };
-        let batch = match (state.batch.take(), state.next) {
+        if state.pending_seek.is_some() {
+            return;
+        }
+        let mut batch = match (state.batch.take(), state.next) {
             (Some(batch), _) => batch,
-            (None, Some(next)) if next > 0 => ClosedBatch {
-                start: next,
-                last: next - 1,
-                messages: 0,
-                bad: 0,
-                deltas: Vec::new(),
-            },
+            (None, Some(next)) if state.known.is_some() => ClosedBatch::probe(next),
             (None, _) => return,
         };
+        let groups = self.applier.keys().groups().clone();
+        let single = groups.count() == 1;
+        // Scripts are planned here when the fences are known; otherwise the
+        // task establishes them first.
+        let planned = state.known.as_ref().map(|known| {
+            let probe = batch.is_probe();
+            let advanced_at = &mut state.advanced_at;
+            plan(partition, &mut batch, &groups, known, |g| {
+                let due = single || probe || advanced_at[g as usize].elapsed() >= PROBE_EVERY;
+                if due {
+                    advanced_at[g as usize] = Instant::now();
+                }
+                due
+            })
+        });
+        let assigned = state.assigned.take();
         let letters = std::mem::take(&mut state.letters);
-        let (epoch, expect_fence) = (state.epoch, state.expect_fence);
+        let epoch = state.epoch;
         let applier = self.applier.clone();
         let dead_letters = self.dead_letters.clone();
         let abandon = self.abandon.clone();
+        let pause = Duration::from_millis(self.config.test_script_pause_ms);
         self.busy.insert(partition);
+        let (start, last, messages, bad) = (batch.start, batch.last, batch.messages, batch.bad);
         self.in_flight.push(tokio::spawn(async move {
             let began = Instant::now();
-            let confirmed = match dead_letters {
-                Some(dl) if !letters.is_empty() => dl.confirm(letters, &abandon).await,
-                _ => true,
-            };
-            let prepared = applier.prepare(partition, &batch, expect_fence);
-            let result = if confirmed {
-                applier.apply(&prepared, &abandon).await
-            } else {
-                Err(ApplyError::Cancelled)
-            };
+            let result = async {
+                if let Some(dl) = dead_letters
+                    && !letters.is_empty()
+                    && !dl.confirm(letters, &abandon).await
+                {
+                    return Err(ApplyError::Cancelled);
+                }
+                let (scripts, established) = match planned {
+                    Some(scripts) => (scripts, None),
+                    None => {
+                        let (known, fits) =
+                            establish(&applier, partition, assigned, start, &abandon).await?;
+                        if !fits {
+                            return Ok(Finished::Resync { known });
+                        }
+                        let scripts = plan(partition, &mut batch, &groups, &known, |_| true);
+                        (scripts, Some(known))
+                    }
+                };
+                let replies = send(&applier, scripts, pause, &abandon).await?;
+                Ok(Finished::Scripts {
+                    established,
+                    replies,
+                })
+            }
+            .await;
             Done {
                 partition,
                 epoch,
-                increments: prepared.increments,
-                batch,
+                start,
+                last,
+                messages,
+                bad,
                 took: began.elapsed(),
                 result,
             }
@@ -433,101 +612,120 @@ impl Pipeline {
             }
         };
         self.busy.remove(&done.partition);
-        let decision = match done.result {
-            Ok(decision) => decision,
+        let partition = done.partition;
+        let finished = match done.result {
+            Ok(finished) => finished,
             Err(ApplyError::Cancelled) => return Ok(()),
-            Err(source) => {
-                return Err(RunError::Apply {
-                    partition: done.partition,
-                    source,
-                });
-            }
+            Err(source) => return Err(RunError::Apply { partition, source }),
         };
-        let probe = done.batch.start > done.batch.last;
-        if !probe || matches!(decision, Decision::Gap { .. }) {
+        let probe = done.start > done.last;
+        let current = self
+            .owned
+            .get_mut(&partition)
+            .filter(|s| s.epoch == done.epoch);
+        let (established, replies) = match finished {
+            Finished::Resync { known } => {
+                metrics::batch_done(&self.stats, false, done.messages, done.bad, 0, done.took);
+                let Some(state) = current else { return Ok(()) };
+                let resume = known.1.resume_at();
+                state.known = Some(known);
+                info!(
+                    partition,
+                    resume,
+                    "Fences found ahead of or behind this read; re-reading from the lowest."
+                );
+                return self.resync(partition, resume);
+            }
+            Finished::Scripts {
+                established,
+                replies,
+            } => (established, replies),
+        };
+        let increments: usize = replies
+            .iter()
+            .filter(|(_, r, _)| r.decision == Decision::Apply)
+            .map(|&(_, _, keys)| keys)
+            .sum();
+        for &(_, reply, keys) in &replies {
+            metrics::script_done(reply.decision, keys);
+        }
+        let Some(state) = current else {
             metrics::batch_done(
                 &self.stats,
-                decision,
-                done.batch.messages,
-                done.batch.bad,
-                done.increments,
+                true,
+                done.messages,
+                done.bad,
+                increments,
+                done.took,
+            );
+            return Ok(());
+        };
+        state.verified_at = Instant::now();
+        if let Some(known) = established {
+            state.known = Some(known);
+        }
+        let tracker = &mut state.known.as_mut().expect("fences known after a batch").1;
+        let mut continues = true;
+        for &(group, reply, _) in &replies {
+            continues &= tracker.record(group, done.last, reply);
+        }
+        if !probe || !continues {
+            metrics::batch_done(
+                &self.stats,
+                continues,
+                done.messages,
+                done.bad,
+                increments,
                 done.took,
             );
         }
-        let Some(state) = self.owned.get_mut(&done.partition) else {
-            return Ok(());
-        };
-        if state.epoch != done.epoch {
+        if continues {
+            if !probe {
+                self.committer.applied(&self.consumer, partition, done.last);
+            }
             return Ok(());
         }
-        state.verified_at = Instant::now();
-        let partition = done.partition;
-        match decision {
-            Decision::Apply | Decision::Duplicate => {
-                state.expect_fence = true;
-                if !probe {
-                    self.committer
-                        .applied(&self.consumer, partition, done.batch.last);
-                }
-                Ok(())
-            }
-            Decision::Straddle { resume }
-            | Decision::Gap {
-                resume: Some(resume),
-            } => {
-                warn!(
-                    partition,
-                    start = done.batch.start,
-                    last = done.batch.last,
-                    resume,
-                    ?decision,
-                    "Batch does not continue the fence; re-reading from the fence."
-                );
-                self.resync(partition, Some(resume))
-            }
-            Decision::Gap { resume: None } => {
-                warn!(
-                    partition,
-                    "Fence is gone from Redis; replaying the partition from the start of the log."
-                );
-                self.resync(partition, None)
-            }
-        }
+        let resume = tracker.resume_at();
+        let found: Vec<String> = replies
+            .iter()
+            .filter(|(_, r, _)| r.fence != done.last && r.decision != Decision::Apply)
+            .map(|(g, r, _)| format!("{g}:{:?}@{}", r.decision, r.fence))
+            .collect();
+        warn!(partition, start = done.start, last = done.last, resume, groups = %found.join(" "), "Fences do not continue this batch; re-reading from the lowest.");
+        self.resync(partition, resume)
     }
 
-    /// Drops the partition's buffer and moves the consumer to `resume`
-    /// (`None`: the start of the log).
-    fn resync(&mut self, partition: i32, resume: Option<i64>) -> Result<(), RunError> {
+    /// Drops the partition's buffer and moves the consumer to `resume`.
+    fn resync(&mut self, partition: i32, resume: i64) -> Result<(), RunError> {
         metrics::resynced();
         let Some(state) = self.owned.get_mut(&partition) else {
             return Ok(());
         };
         state.batch.clear();
         state.letters.clear();
-        state.next = resume;
-        state.expect_fence = resume.is_some();
-        let offset = resume.map_or(Offset::Beginning, Offset::Offset);
-        let mut last_error = None;
-        for attempt in 0..5u64 {
+        state.next = Some(resume);
+        state.pending_seek = Some(resume);
+        self.retry_seeks();
+        Ok(())
+    }
+
+    /// Tries every pending seek once; failures are retried on the next tick.
+    fn retry_seeks(&mut self) {
+        for (&partition, state) in self.owned.iter_mut() {
+            let Some(resume) = state.pending_seek else {
+                continue;
+            };
+            let offset = Offset::Offset(resume);
             match self.consumer.seek(
                 &self.config.topic,
                 partition,
                 offset,
-                Duration::from_secs(5),
+                Duration::from_secs(2),
             ) {
-                Ok(()) => return Ok(()),
-                Err(error) => {
-                    warn!(partition, attempt, %error, "Seek failed; retrying.");
-                    last_error = Some(error);
-                    std::thread::sleep(Duration::from_millis(100 * (attempt + 1)));
-                }
+                Ok(()) => state.pending_seek = None,
+                Err(error) => debug!(partition, resume, %error, "Seek not accepted yet; retrying."),
             }
         }
-        Err(RunError::Seek {
-            partition,
-            offset,
-            source: last_error.expect("at least one attempt"),
-        })
     }
 
     /// Shutdown: stop fetching, flush what is buffered, wait (bounded) for the

@@ -6,17 +6,18 @@ mod common;
 use common::RedisServer;
 use proptest::prelude::*;
 use redis::Commands;
-use tally::aggregate::{ClosedBatch, CounterId};
-use tally::apply::Applier;
-use tally::fence::{Decision, decide};
+use tally::aggregate::CounterId;
+use tally::apply::{Applier, Prepared};
+use tally::fence::{Decision, Reply, decide};
 use tally::routing::KeyLayout;
 
-fn batch(start: i64, last: i64, deltas: &[(u64, u32, i64)]) -> ClosedBatch {
-    ClosedBatch {
+fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64)]) -> Prepared {
+    Prepared {
+        partition: 0,
+        group: 0,
         start,
         last,
-        messages: (last - start + 1).max(0) as u64,
-        bad: 0,
+        absent_fence,
         deltas: deltas
             .iter()
             .map(|&(post_id, bucket, d)| (CounterId { post_id, bucket }, d))
@@ -29,6 +30,10 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+fn reply(decision: Decision, fence: i64) -> Reply {
+    Reply { decision, fence }
 }
 
 #[test]
@@ -44,10 +49,7 @@ fn apply_duplicate_straddle_and_gap() {
         ))
         .unwrap();
     let mut conn = redis.conn();
-    let apply = |b: &ClosedBatch, expect: bool| {
-        let prepared = applier.prepare(0, b, expect);
-        rt.block_on(applier.apply_once(&prepared)).unwrap()
-    };
+    let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap();
     let count = |conn: &mut redis::Connection, post: u64, bucket: u32| -> i64 {
         conn.get::<_, Option<i64>>(format!("t:likes:{post}:{bucket}"))
             .unwrap()
@@ -56,49 +58,57 @@ fn apply_duplicate_straddle_and_gap() {
     let fence =
         |conn: &mut redis::Connection| -> Option<i64> { conn.get("t:fence:g:likes:0").unwrap() };
 
-    // First batch: no fence yet.
+    // First batch: no fence yet, origin 0.
     assert_eq!(
-        apply(&batch(0, 9, &[(1, 0, 5), (1, 3, -1)]), false),
-        Decision::Apply
+        apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])),
+        reply(Decision::Apply, -1)
     );
     assert_eq!((count(&mut conn, 1, 0), count(&mut conn, 1, 3)), (5, -1));
     assert_eq!(fence(&mut conn), Some(9));
 
     // The same batch again (a retry after a lost reply): nothing changes.
     assert_eq!(
-        apply(&batch(0, 9, &[(1, 0, 5), (1, 3, -1)]), true),
-        Decision::Duplicate
+        apply(&script(0, 9, -1, &[(1, 0, 5), (1, 3, -1)])),
+        reply(Decision::Duplicate, 9)
     );
     assert_eq!(count(&mut conn, 1, 0), 5);
 
-    // A batch cut differently that straddles the fence is refused whole.
+    // A range cut differently that straddles the fence is refused whole.
     assert_eq!(
-        apply(&batch(5, 14, &[(1, 0, 100)]), true),
-        Decision::Straddle { resume: 10 }
+        apply(&script(5, 14, -1, &[(1, 0, 100)])),
+        reply(Decision::Straddle, 9)
     );
     assert_eq!(count(&mut conn, 1, 0), 5);
     assert_eq!(fence(&mut conn), Some(9));
 
-    // A batch past a hole (Redis lost writes) is refused: replay from the fence.
+    // A range past a hole (Redis lost writes) is refused: replay from the fence.
     assert_eq!(
-        apply(&batch(20, 29, &[(1, 0, 100)]), true),
-        Decision::Gap { resume: Some(10) }
+        apply(&script(20, 29, -1, &[(1, 0, 100)])),
+        reply(Decision::Gap, 9)
     );
     assert_eq!(count(&mut conn, 1, 0), 5);
 
-    // The continuation applies; a batch of only bad or cancelling events still
-    // moves the fence.
-    assert_eq!(apply(&batch(10, 19, &[(2, 1, 1)]), true), Decision::Apply);
-    assert_eq!(apply(&batch(20, 24, &[]), true), Decision::Apply);
+    // The continuation applies; a range of only bad or cancelling events still
+    // moves the fence; an empty range probes.
+    assert_eq!(
+        apply(&script(10, 19, -1, &[(2, 1, 1)])),
+        reply(Decision::Apply, 9)
+    );
+    assert_eq!(apply(&script(20, 24, -1, &[])), reply(Decision::Apply, 19));
+    assert_eq!(
+        apply(&script(25, 24, -1, &[])),
+        reply(Decision::Duplicate, 24)
+    );
     assert_eq!(fence(&mut conn), Some(24));
     assert_eq!(count(&mut conn, 2, 1), 1);
 
-    // The fence vanished (Redis restarted empty) while the consumer knew it.
+    // The fence vanished (its primary lost it): it stands at origin - 1.
     let _: () = conn.del("t:fence:g:likes:0").unwrap();
     assert_eq!(
-        apply(&batch(25, 30, &[(2, 1, 1)]), true),
-        Decision::Gap { resume: None }
+        apply(&script(25, 30, -1, &[(2, 1, 1)])),
+        reply(Decision::Gap, -1)
     );
+    assert_eq!(apply(&script(25, 24, -1, &[])), reply(Decision::Gap, -1));
     assert_eq!(count(&mut conn, 2, 1), 1);
 
     // Nothing but counters matches the read pattern.
@@ -122,19 +132,38 @@ fn script_is_reloaded_after_script_flush() {
         ))
         .unwrap();
     let mut conn = redis.conn();
-    let first = applier.prepare(3, &batch(0, 0, &[(7, 0, 1)]), false);
+    let first = script(0, 0, -1, &[(7, 0, 1)]);
     assert_eq!(
-        rt.block_on(applier.apply_once(&first)).unwrap(),
+        rt.block_on(applier.apply_once(&first)).unwrap().decision,
         Decision::Apply
     );
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
-    let second = applier.prepare(3, &batch(1, 1, &[(7, 0, 1)]), true);
+    let second = script(1, 1, -1, &[(7, 0, 1)]);
     assert_eq!(
-        rt.block_on(applier.apply_once(&second)).unwrap(),
+        rt.block_on(applier.apply_once(&second)).unwrap().decision,
         Decision::Apply
     );
     let value: i64 = conn.get("f:likes:7:0").unwrap();
     assert_eq!(value, 2);
+}
+
+#[test]
+fn origin_is_set_once() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = rt
+        .block_on(Applier::connect(
+            &redis.url(),
+            KeyLayout::new("o"),
+            "g",
+            "likes",
+        ))
+        .unwrap();
+    assert_eq!(rt.block_on(applier.ensure_origin(2, 40)).unwrap(), 40);
+    assert_eq!(rt.block_on(applier.ensure_origin(2, 7)).unwrap(), 40);
+    let fences = rt.block_on(applier.read_fences(2)).unwrap();
+    assert_eq!(fences.origin, Some(40));
+    assert_eq!(fences.tracker().unwrap().1.resume_at(), 40);
 }
 
 #[test]
@@ -151,17 +180,12 @@ fn lua_agrees_with_the_decision_table() {
         .unwrap();
     let conn = std::cell::RefCell::new(redis.conn());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
-    let cases = (
-        proptest::option::of(0i64..40),
-        0i64..40,
-        0i64..20,
-        any::<bool>(),
-    );
+    let cases = (proptest::option::of(0i64..40), 0i64..40, 0i64..20, -1i64..5);
     runner
-        .run(&cases, |(fence, start, len, expect)| {
+        .run(&cases, |(fence, start, len, absent)| {
             let mut conn = conn.borrow_mut();
-            let last = start + len;
-            let key = "m:fence:g:likes:1";
+            let last = start + len - 1;
+            let key = "m:fence:g:likes:0";
             match fence {
                 Some(f) => {
                     let _: () = conn.set(key, f).unwrap();
@@ -171,10 +195,12 @@ fn lua_agrees_with_the_decision_table() {
                 }
             }
             let _: () = conn.set("m:likes:1:0", 0).unwrap();
-            let prepared = applier.prepare(1, &batch(start, last, &[(1, 0, 3)]), expect);
-            let got = rt.block_on(applier.apply_once(&prepared)).unwrap();
-            let want = decide(fence, start, last, expect);
-            prop_assert_eq!(got, want);
+            let got = rt
+                .block_on(applier.apply_once(&script(start, last, absent, &[(1, 0, 3)])))
+                .unwrap();
+            let effective = fence.unwrap_or(absent);
+            let want = decide(effective, start, last);
+            prop_assert_eq!(got, reply(want, effective));
             let after: Option<i64> = conn.get(key).unwrap();
             let counted: i64 = conn.get("m:likes:1:0").unwrap();
             if want == Decision::Apply {

@@ -41,7 +41,7 @@ impl FenceWatch {
         let keys = KeyLayout::new(prefix);
         let mut mget = redis::cmd("MGET");
         for p in 0..partitions as i32 {
-            mget.arg(keys.fence_key(group, topic, p));
+            mget.arg(keys.fence_key(group, topic, p, 0));
         }
         Ok(Self {
             conn: redis_conn(url)?,

@@ -1,0 +1,176 @@
+//! Store: connections to one Redis server or a Redis Cluster.
+//!
+//! Invariant: one multiplexed connection per server (per primary on a
+//! cluster), shared by every script in flight, so a batch touching many slot
+//! groups is pipelined over a handful of connections rather than paid for in
+//! sequential round trips. Redirections (MOVED, ASK), TRYAGAIN during slot
+//! migration and reconnects after failover are handled by the cluster client;
+//! whatever still fails reaches [`crate::retry`] and is retried behind the fence.
+//!
+//! URLs: `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS) for
+//! one server; `redis+cluster://[user:password@]host1:port1,host2:port2,...`
+//! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
+
+use std::time::Duration;
+
+use redis::aio::{
+    ConnectionLike as AsyncConnectionLike, ConnectionManager, ConnectionManagerConfig,
+};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ConnectionLike, Pipeline, RedisError, RedisFuture, Value};
+
+/// Where the counters live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One server, by URL.
+    Single(String),
+    /// A cluster, by the URLs of some of its nodes.
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    /// Parses `--redis`.
+    pub fn parse(url: &str) -> Result<Target, String> {
+        for (scheme, node_scheme) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                let (auth, hosts) = match rest.rsplit_once('@') {
+                    Some((auth, hosts)) => (format!("{auth}@"), hosts),
+                    None => (String::new(), rest),
+                };
+                let nodes: Vec<String> = hosts
+                    .trim_end_matches('/')
+                    .split(',')
+                    .filter(|h| !h.trim().is_empty())
+                    .map(|h| format!("{node_scheme}{auth}{}", h.trim()))
+                    .collect();
+                if nodes.is_empty() {
+                    return Err("a cluster URL needs at least one host:port".into());
+                }
+                return Ok(Target::Cluster(nodes));
+            }
+        }
+        if url.starts_with("redis://") || url.starts_with("rediss://") {
+            Ok(Target::Single(url.to_string()))
+        } else {
+            Err("expected redis://host:port or redis+cluster://host1:port1,host2:port2".into())
+        }
+    }
+
+    /// Whether this is a cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Target::Cluster(_))
+    }
+}
+
+/// An async connection to the store; cheap to clone (shared multiplexed connections).
+#[derive(Clone)]
+pub enum Store {
+    /// One server; reconnects by itself.
+    Single(ConnectionManager),
+    /// A cluster; one connection per node, slot map kept fresh.
+    Cluster(ClusterConnection),
+}
+
+impl Store {
+    /// Connects to the target.
+    pub async fn connect(target: &Target) -> Result<Store, RedisError> {
+        match target {
+            Target::Single(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(3)))
+                    .set_response_timeout(Some(Duration::from_secs(10)))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(2));
+                Ok(Store::Single(
+                    ConnectionManager::new_with_config(client, config).await?,
+                ))
+            }
+            Target::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(Duration::from_secs(3))
+                    .response_timeout(Duration::from_secs(10))
+                    .retries(8)
+                    .min_retry_wait(50)
+                    .max_retry_wait(2_000)
+                    .build()?;
+                Ok(Store::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+}
+
+impl AsyncConnectionLike for Store {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Store::Single(c) => c.req_packed_command(cmd),
+            Store::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Store::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Store::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Store::Single(c) => c.get_db(),
+            Store::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A blocking connection, for the Kafka rebalance callback (which cannot await).
+pub fn connect_blocking(
+    target: &Target,
+    timeout: Duration,
+) -> Result<Box<dyn ConnectionLike>, RedisError> {
+    match target {
+        Target::Single(url) => {
+            let conn = redis::Client::open(url.as_str())?.get_connection_with_timeout(timeout)?;
+            conn.set_read_timeout(Some(timeout))?;
+            conn.set_write_timeout(Some(timeout))?;
+            Ok(Box::new(conn))
+        }
+        Target::Cluster(nodes) => {
+            let client = ClusterClientBuilder::new(nodes.clone())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .retries(3)
+                .build()?;
+            Ok(Box::new(client.get_connection()?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_a_server_or_a_cluster() {
+        assert_eq!(
+            Target::parse("redis://h:1/").unwrap(),
+            Target::Single("redis://h:1/".into())
+        );
+        assert_eq!(
+            Target::parse("redis+cluster://u:p@a:1,b:2/").unwrap(),
+            Target::Cluster(vec!["redis://u:p@a:1".into(), "redis://u:p@b:2".into()])
+        );
+        assert!(Target::parse("rediss+cluster://a:1").unwrap().is_cluster());
+        assert!(Target::parse("localhost:6379").is_err());
+        assert!(Target::parse("redis+cluster://").is_err());
+    }
+}

@@ -1,0 +1,374 @@
+//! A private Redis Cluster on loopback for the cluster tests: primaries and
+//! replicas started from Debian's redis-server, joined with `redis-cli --cluster`.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// One node of the cluster.
+pub struct Node {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+/// A running cluster; every node is killed on drop.
+pub struct RedisCluster {
+    pub nodes: Vec<Node>,
+    _dir: TempDir,
+}
+
+fn bin(name: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is not installed; run: apt-get update && apt-get install -y redis-server"
+            )
+        })
+}
+
+/// A port from 20000–45000 whose cluster bus port (port + 10000) is free too.
+fn cluster_port(taken: &[u16]) -> u16 {
+    loop {
+        let port = 20_000 + (rand::random::<u16>() % 25_000);
+        if taken.contains(&port) {
+            continue;
+        }
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
+fn conn(port: u16) -> redis::Connection {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
+    let conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    conn
+}
+
+fn try_conn(port: u16) -> Option<redis::Connection> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).ok()?;
+    let conn = client
+        .get_connection_with_timeout(Duration::from_millis(500))
+        .ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    Some(conn)
+}
+
+impl Node {
+    fn start(&mut self) {
+        let log = std::fs::File::create(self.dir.join("stdout.log")).unwrap();
+        let child = Command::new(bin("redis-server"))
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args([
+                "--cluster-node-timeout",
+                "2000",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(mut c) = try_conn(self.port)
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        panic!("cluster node {} did not start", self.port);
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl RedisCluster {
+    /// `primaries` primaries with `replicas` replicas each.
+    pub fn start(primaries: usize, replicas: usize) -> RedisCluster {
+        let dir = tempfile::Builder::new()
+            .prefix("cluster-")
+            .tempdir()
+            .unwrap();
+        let mut ports = Vec::new();
+        let mut nodes = Vec::new();
+        for _ in 0..primaries * (1 + replicas) {
+            let port = cluster_port(&ports);
+            ports.push(port);
+            let node_dir = dir.path().join(port.to_string());
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let mut node = Node {
+                port,
+                dir: node_dir,
+                child: None,
+            };
+            node.start();
+            nodes.push(node);
+        }
+        let mut create = Command::new(bin("redis-cli"));
+        create.arg("--cluster").arg("create");
+        for p in &ports {
+            create.arg(format!("127.0.0.1:{p}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster { nodes, _dir: dir };
+        cluster.wait_ok();
+        eprintln!("[cluster] {} nodes up: {ports:?}", ports.len());
+        cluster
+    }
+
+    /// `redis+cluster://` URL naming every node.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// Waits until every live node reports `cluster_state:ok` and agrees there are no failing slots.
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                try_conn(n.port)
+                    .and_then(|mut c| {
+                        redis::cmd("CLUSTER")
+                            .arg("INFO")
+                            .query::<String>(&mut c)
+                            .ok()
+                    })
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "cluster not ok within 60 s");
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Ports of the nodes that are primaries now, with their node ids.
+    pub fn primaries(&self) -> Vec<(u16, String)> {
+        let live = self
+            .nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .expect("a live node");
+        let text: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query(&mut conn(live.port))
+            .unwrap();
+        text.lines()
+            .filter(|l| l.contains("master") && !l.contains("fail"))
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let id = f.next()?.to_string();
+                let addr = f.next()?;
+                let port = addr.split(['@', ':']).nth(1)?.parse().ok()?;
+                Some((port, id))
+            })
+            .collect()
+    }
+
+    pub fn node_mut(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("known node")
+    }
+
+    /// Restarts a killed node on its port and directory (reloading its AOF).
+    pub fn restart(&mut self, port: u16) {
+        self.node_mut(port).start();
+    }
+
+    /// SCRIPT FLUSH on every primary.
+    pub fn script_flush_all(&self) {
+        for (port, _) in self.primaries() {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut conn(port))
+                .unwrap();
+        }
+    }
+
+    /// Moves `slots` slots from one primary to another with `redis-cli --cluster reshard`.
+    pub fn reshard(&self, from: &str, to: &str, slots: u32) {
+        let any = self.primaries()[0].0;
+        let out = Command::new(bin("redis-cli"))
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{any}")])
+            .args(["--cluster-from", from, "--cluster-to", to])
+            .args([
+                "--cluster-slots",
+                &slots.to_string(),
+                "--cluster-yes",
+                "--cluster-pipeline",
+                "100",
+            ])
+            .output()
+            .expect("redis-cli --cluster reshard");
+        assert!(
+            out.status.success(),
+            "reshard failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .rev()
+                .take(10)
+                .collect::<Vec<_>>()
+                .join("\n"),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Every key matching `pattern` on every primary, with its string value.
+    pub fn scan(&self, pattern: &str) -> HashMap<String, String> {
+        let mut all = HashMap::new();
+        for (port, _) in self.primaries() {
+            let mut c = conn(port);
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query(&mut c)
+                    .unwrap();
+                for key in keys {
+                    let value: Option<String> = redis::cmd("GET").arg(&key).query(&mut c).unwrap();
+                    if let Some(value) = value {
+                        all.insert(key, value);
+                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
+            }
+        }
+        all
+    }
+
+    /// Per post, the sum of `<prefix>:likes:<post>:*` across the cluster.
+    pub fn read_counts(&self, prefix: &str) -> HashMap<u64, i64> {
+        let head = format!("{prefix}:likes:");
+        let mut counts = HashMap::new();
+        for (key, value) in self.scan(&format!("{prefix}:likes:*")) {
+            let post: u64 = key
+                .strip_prefix(&head)
+                .unwrap()
+                .split(':')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            *counts.entry(post).or_insert(0) += value.parse::<i64>().unwrap();
+        }
+        counts
+    }
+
+    /// Waits until, for every partition with messages, all `groups` fences hold its last offset.
+    pub fn wait_applied(
+        &self,
+        prefix: &str,
+        group: &str,
+        topic: &str,
+        hwms: &[i64],
+        groups: usize,
+        timeout: Duration,
+        mut check: impl FnMut(),
+    ) {
+        let started = Instant::now();
+        loop {
+            let fences = self.scan(&format!("{prefix}:fence:{group}:{topic}:*"));
+            let mut behind = Vec::new();
+            for (p, &hwm) in hwms.iter().enumerate() {
+                if hwm == 0 {
+                    continue;
+                }
+                let head = format!("{prefix}:fence:{group}:{topic}:{p}:");
+                let at_end = fences
+                    .iter()
+                    .filter(|(k, v)| k.starts_with(&head) && v.parse::<i64>().ok() == Some(hwm - 1))
+                    .count();
+                if at_end != groups {
+                    behind.push(format!("p{p}: {at_end}/{groups} groups at {}", hwm - 1));
+                }
+            }
+            if behind.is_empty() {
+                eprintln!(
+                    "[cluster] applied after {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
+                return;
+            }
+            check();
+            assert!(
+                started.elapsed() < timeout,
+                "not applied within {timeout:?}: {}",
+                behind.join(", ")
+            );
+            thread::sleep(Duration::from_millis(300));
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            node.kill();
+        }
+    }
+}
