@@ -43,11 +43,10 @@ use std::time::Duration;
 
 use redis::{Cmd, RedisError};
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 use crate::aggregate::CounterId;
 use crate::fence::{Decision, Reply};
-use crate::retry::{Backoff, RedisFailure, classify_redis};
+use crate::retry::{GaveUp, RedisFailure, classify_redis, retry_redis};
 use crate::routing::KeyLayout;
 use crate::store::{Store, Target, connect_blocking};
 
@@ -66,6 +65,15 @@ pub enum ApplyError {
     /// Shutdown came first; the batch was not confirmed (safe: nothing is committed).
     #[error("cancelled by shutdown")]
     Cancelled,
+}
+
+impl From<GaveUp> for ApplyError {
+    fn from(gave_up: GaveUp) -> Self {
+        match gave_up {
+            GaveUp::Fatal(error) => ApplyError::Fatal(error),
+            GaveUp::Cancelled => ApplyError::Cancelled,
+        }
+    }
 }
 
 /// Errors connecting at start-up.
@@ -286,35 +294,18 @@ impl Applier {
         prepared: &Prepared,
         cancel: &CancellationToken,
     ) -> Result<Reply, ApplyError> {
-        let mut backoff = Backoff::standard();
-        loop {
-            match self.apply_once(prepared).await {
-                Ok(reply) => return Ok(reply),
-                Err(error) if error.kind() == redis::ErrorKind::UnexpectedReturnType => {
-                    return Err(ApplyError::BadReply(error.to_string()));
+        let what = format!(
+            "apply partition {} group {} offsets {}..={}",
+            prepared.partition, prepared.group, prepared.start, prepared.last
+        );
+        retry_redis(&what, cancel, || self.apply_once(prepared))
+            .await
+            .map_err(|gave_up| match gave_up {
+                GaveUp::Fatal(error) if error.kind() == redis::ErrorKind::UnexpectedReturnType => {
+                    ApplyError::BadReply(error.to_string())
                 }
-                Err(error) if classify_redis(&error) == RedisFailure::Fatal => {
-                    return Err(ApplyError::Fatal(error));
-                }
-                Err(error) => {
-                    crate::metrics::redis_retry();
-                    let delay = backoff.next_delay();
-                    warn!(
-                        partition = prepared.partition,
-                        group = prepared.group,
-                        start = prepared.start,
-                        last = prepared.last,
-                        %error,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "Redis apply failed; retrying."
-                    );
-                    tokio::select! {
-                        _ = cancel.cancelled() => return Err(ApplyError::Cancelled),
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                }
-            }
-        }
+                other => other.into(),
+            })
     }
 
     /// Reads a partition's origin and every slot group's fence.
@@ -345,23 +336,18 @@ impl Applier {
         proposed: i64,
         cancel: &CancellationToken,
     ) -> Result<i64, ApplyError> {
-        let mut backoff = Backoff::standard();
-        loop {
-            match self.ensure_origin(partition, proposed).await {
-                Ok(origin) => return Ok(origin),
-                Err(error) if classify_redis(&error) == RedisFailure::Fatal => {
-                    return Err(ApplyError::Fatal(error));
-                }
-                Err(error) => {
-                    crate::metrics::redis_retry();
-                    warn!(partition, %error, "Recording the origin failed; retrying.");
-                    tokio::select! {
-                        _ = cancel.cancelled() => return Err(ApplyError::Cancelled),
-                        _ = tokio::time::sleep(backoff.next_delay()) => {}
-                    }
-                }
-            }
-        }
+        let what = format!("record origin of partition {partition}");
+        Ok(retry_redis(&what, cancel, || self.ensure_origin(partition, proposed)).await?)
+    }
+
+    /// Reads a partition's fences, retrying like [`Applier::apply`].
+    pub async fn fences(
+        &self,
+        partition: i32,
+        cancel: &CancellationToken,
+    ) -> Result<PartitionFences, ApplyError> {
+        let what = format!("read fences of partition {partition}");
+        Ok(retry_redis(&what, cancel, || self.read_fences(partition)).await?)
     }
 }
 

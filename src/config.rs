@@ -188,21 +188,23 @@ impl RunConfig {
     }
 }
 
+/// Parses `args` (without the program name) as one flattened flag group; for tests.
+#[cfg(test)]
+pub(crate) fn parse_flags<T: clap::Args + clap::FromArgMatches>(
+    args: &[&str],
+) -> Result<T, clap::Error> {
+    let command = T::augment_args(clap::Command::new("tally"));
+    let matches =
+        command.try_get_matches_from(std::iter::once("tally").chain(args.iter().copied()))?;
+    T::from_arg_matches(&matches)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        run: RunConfig,
-    }
 
     fn parse(args: &[&str]) -> RunConfig {
-        let mut all = vec!["tally"];
-        all.extend_from_slice(args);
-        Cli::try_parse_from(all).unwrap().run
+        parse_flags(args).unwrap()
     }
 
     #[test]
@@ -227,6 +229,6 @@ mod tests {
             .validate()
             .unwrap_err();
         assert_eq!(err.flag, "kafka-config");
-        assert!(Cli::try_parse_from(["tally", "-X", "nonsense"]).is_err());
+        assert!(parse_flags::<RunConfig>(&["-X", "nonsense"]).is_err());
     }
 }

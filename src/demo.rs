@@ -9,9 +9,6 @@
 //! shuts everything down.
 
 use std::collections::HashMap;
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::RunConfig;
 use crate::generate::{Traffic, TrafficShape};
+use crate::local::{Service, create_topic, start_redis, start_tansu};
 use crate::metrics::Stats;
 use crate::routing::KeyLayout;
 
@@ -46,116 +44,11 @@ pub struct DemoConfig {
     pub duration: Option<u64>,
 }
 
-/// A child process killed when dropped.
-struct Service {
-    name: &'static str,
-    child: Child,
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        tracing::debug!(service = self.name, "Stopped.");
-    }
-}
-
-/// Finds a program on PATH or in ~/.cargo/bin.
-pub fn find_program(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    if let Some(home) = std::env::var_os("HOME") {
-        dirs.push(Path::new(&home).join(".cargo/bin"));
-    }
-    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn wait_for_port(port: u16, what: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    bail!("{what} did not start listening on port {port} within 30 s")
-}
-
-fn start_redis(dir: &Path) -> Result<(Service, String)> {
-    let program = find_program("redis-server").context(
-        "redis-server not found; install it with `apt-get install -y redis-server` (scripts/demo does)",
-    )?;
-    let port = free_port()?;
-    let child = Command::new(program)
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting redis-server")?;
-    let service = Service {
-        name: "redis-server",
-        child,
-    };
-    wait_for_port(port, "redis-server")?;
-    Ok((service, format!("redis://127.0.0.1:{port}/")))
-}
-
-fn start_tansu(topic: &str, partitions: u32) -> Result<(Service, String)> {
-    let program = find_program("tansu").context(
-        "tansu not found; install it with `cargo install tansu --version 0.6.0 --features dynostore --locked` (scripts/demo does)",
-    )?;
-    let port = free_port()?;
-    let url = format!("tcp://127.0.0.1:{port}");
-    let child = Command::new(&program)
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-        ])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting tansu")?;
-    let service = Service {
-        name: "tansu",
-        child,
-    };
-    wait_for_port(port, "tansu")?;
-    let status = Command::new(&program)
-        .args([
-            "topic",
-            "create",
-            topic,
-            "--partitions",
-            &partitions.to_string(),
-            "--broker",
-            &url,
-        ])
-        .stdout(Stdio::null())
-        .status()
-        .context("creating the demo topic")?;
-    if !status.success() {
-        bail!("tansu could not create topic {topic}");
-    }
-    Ok((service, format!("127.0.0.1:{port}")))
+/// Starts the demo's broker and topic.
+fn start_kafka(dir: &std::path::Path, topic: &str, partitions: u32) -> Result<(Service, String)> {
+    let (service, brokers) = start_tansu(dir)?;
+    create_topic(&brokers, topic, partitions)?;
+    Ok((service, brokers))
 }
 
 /// What the generator has produced, acknowledged by the broker.
@@ -262,7 +155,7 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
     let dir = tempfile::tempdir().context("creating a scratch directory")?;
     let topic = "likes".to_string();
     let (_redis, redis_url) = start_redis(dir.path())?;
-    let (_kafka, brokers) = start_tansu(&topic, config.partitions)?;
+    let (_kafka, brokers) = start_kafka(dir.path(), &topic, config.partitions)?;
     println!(
         "broker {brokers}, redis {redis_url}, topic {topic} ({} partitions), {} buckets per post",
         config.partitions, config.buckets

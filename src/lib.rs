@@ -28,6 +28,7 @@
 //!   error classification.
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
+//! * [`local`]: private redis-server and Tansu processes for the demo and the benchmark.
 //! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
 //! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
 
@@ -42,6 +43,7 @@ pub mod decode;
 pub mod demo;
 pub mod fence;
 pub mod generate;
+pub mod local;
 pub mod metrics;
 pub mod produce;
 pub mod proto;

@@ -465,18 +465,8 @@ pub async fn produce(config: ProduceConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        produce: ProduceConfig,
-    }
-
     fn parse(args: &[&str]) -> ProduceConfig {
-        let mut all = vec!["tally"];
-        all.extend_from_slice(args);
-        Cli::try_parse_from(all).unwrap().produce
+        crate::config::parse_flags(args).unwrap()
     }
 
     #[test]

@@ -6,7 +6,11 @@
 
 use std::time::Duration;
 
+use std::future::Future;
+
 use redis::{ErrorKind, RedisError};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 /// Capped exponential backoff with jitter.
 #[derive(Debug, Clone)]
@@ -76,6 +80,47 @@ pub fn classify_redis(error: &RedisError) -> RedisFailure {
     }
 }
 
+/// Why [`retry_redis`] gave up.
+#[derive(Debug)]
+pub enum GaveUp {
+    /// An error no retry fixes.
+    Fatal(RedisError),
+    /// Cancelled while waiting to retry.
+    Cancelled,
+}
+
+/// Runs `attempt` until it succeeds, fails fatally, or `cancel` fires while
+/// waiting out the backoff after a transient error. `what` names the
+/// operation in the warning each retry logs.
+pub async fn retry_redis<T, F, Fut>(
+    what: &str,
+    cancel: &CancellationToken,
+    mut attempt: F,
+) -> Result<T, GaveUp>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, RedisError>>,
+{
+    let mut backoff = Backoff::standard();
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) if classify_redis(&error) == RedisFailure::Fatal => {
+                return Err(GaveUp::Fatal(error));
+            }
+            Err(error) => {
+                crate::metrics::redis_retry();
+                let delay = backoff.next_delay();
+                warn!(operation = what, %error, retry_in_ms = delay.as_millis() as u64, "Redis call failed; retrying.");
+                tokio::select! {
+                    _ = cancel.cancelled() => return Err(GaveUp::Cancelled),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,9 +135,42 @@ mod tests {
         }
     }
 
+    fn server_error(line: &str) -> RedisError {
+        let value = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+        value.extract_error().unwrap_err()
+    }
+
     #[test]
     fn io_errors_are_transient_and_wrongtype_is_fatal() {
         let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert_eq!(classify_redis(&io), RedisFailure::Transient);
+        for line in [
+            "LOADING Redis is loading",
+            "TRYAGAIN x",
+            "CLUSTERDOWN down",
+            "READONLY replica",
+            "MOVED 5 h:1",
+        ] {
+            assert_eq!(
+                classify_redis(&server_error(line)),
+                RedisFailure::Transient,
+                "{line}"
+            );
+        }
+        assert_eq!(
+            classify_redis(&server_error("NOSCRIPT No matching script")),
+            RedisFailure::NoScript
+        );
+        for line in [
+            "WRONGTYPE Operation against a key",
+            "ERR value is not an integer",
+            "NOPERM no",
+        ] {
+            assert_eq!(
+                classify_redis(&server_error(line)),
+                RedisFailure::Fatal,
+                "{line}"
+            );
+        }
     }
 }

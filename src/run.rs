@@ -191,21 +191,7 @@ async fn establish(
 ) -> Result<((i64, Tracker), bool), ApplyError> {
     let fences = match assigned {
         Some(fences) => fences,
-        None => {
-            let mut backoff = crate::retry::Backoff::standard();
-            loop {
-                match applier.read_fences(partition).await {
-                    Ok(fences) => break fences,
-                    Err(error) => {
-                        warn!(partition, %error, "Cannot read fences; retrying.");
-                        tokio::select! {
-                            _ = abandon.cancelled() => return Err(ApplyError::Cancelled),
-                            _ = tokio::time::sleep(backoff.next_delay()) => {}
-                        }
-                    }
-                }
-            }
-        }
+        None => applier.fences(partition, abandon).await?,
     };
     let origin = match fences.origin {
         Some(origin) => origin,

@@ -19,6 +19,8 @@
 //!   so `G` should be several times the number of primaries (default 128).
 //! * A single server is the case `G = 1` with no tag at all.
 
+use std::sync::Arc;
+
 use xxhash_rust::xxh64::xxh64;
 
 /// Number of hash slots in a Redis Cluster.
@@ -55,14 +57,15 @@ pub fn key_slot(key: &[u8]) -> u16 {
 /// How counter keys are spread over slot groups.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotGroups {
-    /// Hash tag of each group; empty for a single server.
-    tags: Vec<String>,
+    /// Hash tag of each group; empty for a single server. Shared, so the
+    /// layout is cheap to clone into every batch's task.
+    tags: Arc<[String]>,
 }
 
 impl SlotGroups {
     /// One group and no tags: the layout for a single Redis server.
     pub fn single() -> Self {
-        Self { tags: Vec::new() }
+        Self { tags: Arc::from([]) }
     }
 
     /// `count` groups for a cluster; `count` must be a power of two ≤ 16,384.

@@ -50,18 +50,14 @@ fn bad_value(kind: usize, rng: &mut StdRng) -> (&'static str, Vec<u8>) {
 
 #[test]
 fn bad_messages_are_counted_dead_lettered_and_skipped() {
-    let seed = seed("e2e_bad_input");
-    let mut rng = StdRng::seed_from_u64(seed ^ 0xbad);
-    let brokers = brokers();
-    let topic = unique("likes-bad");
+    let run = Scenario::new("e2e_bad_input", "bad", PARTITIONS);
+    let (brokers, topic) = (&run.brokers, &run.topic);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0xbad);
     let dlt = unique("likes-bad-dlq");
-    let group = unique("tally-bad");
-    let prefix = unique("bad");
-    create_topic(&topic, PARTITIONS);
     create_topic(&dlt, 4);
     let redis = RedisServer::start();
 
-    let w = Workload::generate(seed, GOOD, PARTITIONS);
+    let w = Workload::generate(run.seed, GOOD, PARTITIONS);
     eprintln!("[e2e_bad_input] {}", w.describe());
 
     // Good messages, with bad ones at random places; the last message of every partition is bad.
@@ -92,8 +88,8 @@ fn bad_messages_are_counted_dead_lettered_and_skipped() {
     messages.extend(tail);
 
     let positions = produce_positions(
-        &brokers,
-        &topic,
+        brokers,
+        topic,
         messages.iter().map(|(m, _)| m.clone()).collect::<Vec<_>>(),
     );
     // (partition, offset) -> (kind, key, value) of every bad message.
@@ -105,8 +101,7 @@ fn bad_messages_are_counted_dead_lettered_and_skipped() {
         }
     }
     assert_eq!(expected.len(), BAD);
-    let hwms = high_watermarks(&brokers, &topic);
-    assert_eq!(hwms.iter().sum::<i64>(), (GOOD + BAD) as i64);
+    let hwms = run.hwms(GOOD + BAD);
     for (p, &hwm) in hwms.iter().enumerate() {
         assert!(
             expected.contains_key(&(p as i32, hwm - 1)),
@@ -115,21 +110,15 @@ fn bad_messages_are_counted_dead_lettered_and_skipped() {
     }
 
     let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let mut args = run.tally_args(&redis.url());
     args.extend(["--dead-letter-topic", &dlt, "--metrics-addr", &metrics_addr].map(String::from));
     let mut tally = Tally::spawn_args("tally", &args);
 
     let mut conn = redis.conn();
-    wait_applied_while(
-        &mut conn,
-        &prefix,
-        &group,
-        &topic,
-        &hwms,
-        Duration::from_secs(120),
-        || tally.assert_running(),
-    );
-    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        tally.assert_running()
+    });
+    run.assert_exact(&mut conn, &w.truth);
 
     // Every bad message counted once (the run had no crash, so no batch was replayed).
     let mut text = String::new();
@@ -154,7 +143,7 @@ fn bad_messages_are_counted_dead_lettered_and_skipped() {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         found.clear();
-        for m in read_topic(&brokers, &dlt, Duration::from_secs(20)) {
+        for m in read_topic(brokers, &dlt, Duration::from_secs(20)) {
             let source_topic = header_str(&m, "tally-source-topic");
             let partition = header_str(&m, "tally-source-partition");
             let offset = header_str(&m, "tally-source-offset");

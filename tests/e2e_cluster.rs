@@ -6,8 +6,6 @@ mod cluster;
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
@@ -19,63 +17,24 @@ use rand::{Rng, SeedableRng};
 const PARTITIONS: i32 = 8;
 const GROUPS: usize = 16;
 
-struct Run {
-    viral: u64,
-    brokers: String,
-    topic: String,
-    group: String,
-    prefix: String,
-    workload: Workload,
-}
-
-fn setup(name: &str, events: usize) -> Run {
-    let brokers = brokers();
-    let topic = unique(&format!("likes-{name}"));
-    create_topic(&topic, PARTITIONS);
-    let mut workload = Workload::new(seed(name), PARTITIONS);
+/// A scenario with a first wave of `events` already produced.
+fn setup(name: &str, events: usize) -> (Scenario, Workload) {
+    let run = Scenario::new(name, name, PARTITIONS);
+    let mut workload = Workload::new(run.seed, PARTITIONS);
     let first = workload.grow(events);
-    produce(&brokers, &topic, workload.messages(first));
-    Run {
-        viral: workload.viral_post,
-        brokers,
-        topic,
-        group: unique(&format!("tally-{name}")),
-        prefix: unique(name),
-        workload,
-    }
+    produce(&run.brokers, &run.topic, workload.messages(first));
+    (run, workload)
 }
 
-fn args(run: &Run, cluster: &RedisCluster, extra: &[&str]) -> Vec<String> {
-    let mut args = tally_args(
-        &run.brokers,
-        &run.topic,
-        &run.group,
-        &cluster.url(),
-        &run.prefix,
-    );
+fn args(run: &Scenario, cluster: &RedisCluster, extra: &[&str]) -> Vec<String> {
+    let mut args = run.tally_args(&cluster.url());
     args.extend(["--slot-groups", &GROUPS.to_string()].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
 
-/// Keeps producing chunks of the workload until stopped; returns the workload.
-fn keep_producing(run: &mut Run, chunk: usize) -> (Arc<AtomicBool>, thread::JoinHandle<Workload>) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let (brokers, topic, flag) = (run.brokers.clone(), run.topic.clone(), stop.clone());
-    let mut w = std::mem::replace(&mut run.workload, Workload::new(0, PARTITIONS));
-    let handle = thread::spawn(move || {
-        while !flag.load(Ordering::SeqCst) {
-            let range = w.grow(chunk);
-            produce(&brokers, &topic, w.messages(range));
-            thread::sleep(Duration::from_millis(100));
-        }
-        w
-    });
-    (stop, handle)
-}
-
-fn finish(run: &Run, cluster: &RedisCluster, workload: &Workload, tallies: &mut [&mut Tally]) {
-    let hwms = high_watermarks(&run.brokers, &run.topic);
+fn finish(run: &Scenario, cluster: &RedisCluster, workload: &Workload, tallies: &mut [&mut Tally]) {
+    let hwms = run.hwms(workload.events.len());
     cluster.wait_applied(
         &run.prefix,
         &run.group,
@@ -105,13 +64,14 @@ fn finish(run: &Run, cluster: &RedisCluster, workload: &Workload, tallies: &mut 
 #[test]
 fn three_primaries_with_reshard_and_script_flush_count_exactly() {
     let cluster = RedisCluster::start(3, 0);
-    let mut run = setup("cluster-basic", 200_000);
+    let (run, workload) = setup("cluster-basic", 200_000);
+    let viral_post = workload.viral_post;
     let mut tally = Tally::spawn_args("tally", &args(&run, &cluster, &[]));
-    let (stop, producer) = keep_producing(&mut run, 2_000);
+    let producer = run.stream(workload, 2_000, Duration::from_millis(100));
     thread::sleep(Duration::from_secs(4));
 
     // The viral post's buckets are spread over every primary.
-    let viral = run_viral(&cluster, &run);
+    let viral = primaries_holding(&cluster, &run.prefix, viral_post);
     assert_eq!(viral, 3, "viral post's buckets should span all 3 primaries");
 
     cluster.script_flush_all();
@@ -121,15 +81,14 @@ fn three_primaries_with_reshard_and_script_flush_count_exactly() {
     eprintln!("[e2e_cluster] 3000 slots moved");
     thread::sleep(Duration::from_secs(2));
     cluster.script_flush_all();
-    stop.store(true, Ordering::SeqCst);
-    let workload = producer.join().unwrap();
+    let workload = producer.stop();
     eprintln!("[e2e_cluster] {}", workload.describe());
     finish(&run, &cluster, &workload, &mut [&mut tally]);
 }
 
-/// Number of primaries holding at least one bucket of the viral post.
-fn run_viral(cluster: &RedisCluster, run: &Run) -> usize {
-    let pattern = format!("{}:likes:{}:*", run.prefix, run.workload_viral());
+/// Number of primaries holding at least one bucket of `post`.
+fn primaries_holding(cluster: &RedisCluster, prefix: &str, post: u64) -> usize {
+    let pattern = format!("{prefix}:likes:{post}:*");
     let mut holders = HashSet::new();
     for (port, _) in cluster.primaries() {
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
@@ -142,20 +101,14 @@ fn run_viral(cluster: &RedisCluster, run: &Run) -> usize {
     holders.len()
 }
 
-impl Run {
-    fn workload_viral(&self) -> u64 {
-        self.viral
-    }
-}
-
 #[test]
 fn killed_between_the_scripts_of_a_batch_counts_exactly() {
     let cluster = RedisCluster::start(3, 0);
-    let mut run = setup("cluster-kill", 40_000);
+    let (run, workload) = setup("cluster-kill", 40_000);
     // Scripts go one by one with a pause between them, so kills land mid-batch.
     let extra = ["--test-script-pause-ms", "15", "--batch-max-events", "2000"];
-    let mut rng = StdRng::seed_from_u64(seed("cluster-kill"));
-    let (stop, producer) = keep_producing(&mut run, 1_000);
+    let mut rng = StdRng::seed_from_u64(run.seed);
+    let producer = run.stream(workload, 1_000, Duration::from_millis(100));
     let mut tally = Tally::spawn_args("tally-1", &args(&run, &cluster, &extra));
     for kill in 1..=5 {
         thread::sleep(Duration::from_millis(rng.random_range(2_000..4_000)));
@@ -170,7 +123,6 @@ fn killed_between_the_scripts_of_a_batch_counts_exactly() {
             &args(&run, &cluster, &extra),
         );
     }
-    stop.store(true, Ordering::SeqCst);
-    let workload = producer.join().unwrap();
+    let workload = producer.stop();
     finish(&run, &cluster, &workload, &mut [&mut tally]);
 }

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -29,57 +27,41 @@ fn applied(conn: &mut redis::Connection, prefix: &str, group: &str, topic: &str)
 
 #[test]
 fn repeated_sigkill_loses_and_doubles_nothing() {
-    let seed = seed("e2e_crash");
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x00c0_ffee);
-    let brokers = brokers();
-    let topic = unique("likes-crash");
-    let group = unique("tally-crash");
-    let prefix = unique("crash");
-    create_topic(&topic, PARTITIONS);
+    let run = Scenario::new("e2e_crash", "crash", PARTITIONS);
+    let (brokers, topic, group, prefix) = (&run.brokers, &run.topic, &run.group, &run.prefix);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0x00c0_ffee);
     let redis = RedisServer::start();
 
-    let mut w = Workload::new(seed, PARTITIONS);
+    let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(FIRST_WAVE);
-    produce(&brokers, &topic, w.messages(first));
+    produce(brokers, topic, w.messages(first));
     eprintln!("[e2e_crash] first wave of {FIRST_WAVE} produced");
 
     // A steady stream for the whole test, so every kill lands while batches are being applied.
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = {
-        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut w = w;
-            while !stop.load(Ordering::SeqCst) {
-                let chunk = w.grow(CHUNK);
-                produce(&brokers, &topic, w.messages(chunk));
-                thread::sleep(PAUSE);
-            }
-            w
-        })
-    };
+    let producer = run.stream(w, CHUNK, PAUSE);
 
     // Small batches: more scripts in flight, so a kill lands mid-apply more often.
-    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let mut args = run.tally_args(&redis.url());
     args.extend(["--batch-max-events", "3000"].map(String::from));
     let mut conn = redis.conn();
     let mut tally = Tally::spawn_args("tally-1", &args);
     for kill in 1..=KILLS {
         // Kill only once this process is applying, at a random moment after that.
-        let at_start = applied(&mut conn, &prefix, &group, &topic);
+        let at_start = applied(&mut conn, prefix, group, topic);
         let started = Instant::now();
         wait_for(
             "the restarted consumer to apply",
             Duration::from_secs(60),
             || {
                 tally.assert_running();
-                (applied(&mut conn, &prefix, &group, &topic) > at_start).then_some(())
+                (applied(&mut conn, prefix, group, topic) > at_start).then_some(())
             },
         );
         let active_after = started.elapsed();
         let pause = Duration::from_millis(rng.random_range(300..3000));
         thread::sleep(pause);
         tally.assert_running();
-        let now = applied(&mut conn, &prefix, &group, &topic);
+        let now = applied(&mut conn, prefix, group, topic);
         eprintln!(
             "[e2e_crash] kill {kill}/{KILLS}: applying {:.1} s after start, killed {:.1} s later; {now} messages behind fences",
             active_after.as_secs_f64(),
@@ -88,28 +70,20 @@ fn repeated_sigkill_loses_and_doubles_nothing() {
         tally.kill9();
         tally = Tally::spawn_args(&format!("tally-{}", kill + 1), &args);
     }
-    stop.store(true, Ordering::SeqCst);
-    let w = producer.join().expect("producer thread");
+    let w = producer.stop();
     eprintln!("[e2e_crash] {}", w.describe());
 
-    let hwms = high_watermarks(&brokers, &topic);
-    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let hwms = run.hwms(w.events.len());
     let started = Instant::now();
-    wait_applied_while(
-        &mut conn,
-        &prefix,
-        &group,
-        &topic,
-        &hwms,
-        Duration::from_secs(150),
-        || tally.assert_running(),
-    );
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(150), || {
+        tally.assert_running()
+    });
     eprintln!(
         "[e2e_crash] caught up {:.1} s after the producer stopped",
         started.elapsed().as_secs_f64()
     );
 
-    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+    run.assert_exact(&mut conn, &w.truth);
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");

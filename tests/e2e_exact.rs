@@ -12,47 +12,35 @@ const PARTITIONS: i32 = 8;
 
 #[test]
 fn one_consumer_counts_200k_events_exactly() {
-    let seed = seed("e2e_exact");
-    let brokers = brokers();
-    let topic = unique("likes-exact");
-    let group = unique("tally-exact");
-    let prefix = unique("exact");
-    create_topic(&topic, PARTITIONS);
+    let run = Scenario::new("e2e_exact", "exact", PARTITIONS);
     let redis = RedisServer::start();
 
-    let w = Workload::generate(seed, EVENTS, PARTITIONS);
+    let w = Workload::generate(run.seed, EVENTS, PARTITIONS);
     eprintln!("[e2e_exact] {}", w.describe());
     let started = Instant::now();
-    let per_partition = produce(&brokers, &topic, w.messages(0..w.events.len()));
+    let per_partition = produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
     eprintln!(
         "[e2e_exact] produced in {:.1} s: {per_partition:?}",
         started.elapsed().as_secs_f64()
     );
-    let hwms = high_watermarks(&brokers, &topic);
-    assert_eq!(hwms.iter().sum::<i64>(), EVENTS as i64, "hwms {hwms:?}");
+    let hwms = run.hwms(EVENTS);
 
     let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let mut args = run.tally_args(&redis.url());
     args.extend(["--metrics-addr".to_string(), metrics_addr.clone()]);
     let mut tally = Tally::spawn_args("tally", &args);
 
     let started = Instant::now();
     let mut conn = redis.conn();
-    wait_applied_while(
-        &mut conn,
-        &prefix,
-        &group,
-        &topic,
-        &hwms,
-        Duration::from_secs(150),
-        || tally.assert_running(),
-    );
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(150), || {
+        tally.assert_running()
+    });
     eprintln!(
         "[e2e_exact] applied {EVENTS} events in {:.1} s",
         started.elapsed().as_secs_f64()
     );
 
-    let counts = read_counts(&mut conn, &prefix);
+    let counts = read_counts(&mut conn, &run.prefix);
     assert_counts_eq(&counts, &w.truth);
     let total: i64 = counts.values().sum();
     assert_eq!(total, w.likes as i64 - w.unlikes as i64);

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -22,22 +20,18 @@ const CUTS: [u64; 3] = [0, 256 << 10, 1 << 20];
 
 #[test]
 fn counts_survive_redis_restarts_from_a_torn_aof() {
-    let seed = seed("e2e_redis_restart");
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x0bad_5eed);
-    let brokers = brokers();
-    let topic = unique("likes-redis");
-    let group = unique("tally-redis");
-    let prefix = unique("redis");
-    create_topic(&topic, PARTITIONS);
+    let run = Scenario::new("e2e_redis_restart", "redis", PARTITIONS);
+    let (group, topic, prefix) = (&run.group, &run.topic, &run.prefix);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0x0bad_5eed);
     let mut redis = RedisServer::start_with_aof();
 
-    let mut w = Workload::new(seed, PARTITIONS);
+    let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(FIRST_WAVE);
-    produce(&brokers, &topic, w.messages(first));
+    produce(&run.brokers, topic, w.messages(first));
     eprintln!("[e2e_redis_restart] first wave of {FIRST_WAVE} produced");
 
     let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let mut args = run.tally_args(&redis.url());
     args.extend(
         [
             "--metrics-addr",
@@ -51,32 +45,12 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
 
     // Events keep arriving until after the last restart, so every partition has batches to
     // apply once Redis is back.
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = {
-        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut w = w;
-            let mut last = false;
-            while !last {
-                last = stop.load(Ordering::SeqCst);
-                let chunk = w.grow(CHUNK);
-                produce(&brokers, &topic, w.messages(chunk));
-                thread::sleep(Duration::from_millis(250));
-            }
-            w
-        })
-    };
+    let producer = run.stream(w, CHUNK, Duration::from_millis(250));
 
     for (round, cut) in CUTS.into_iter().enumerate() {
         thread::sleep(Duration::from_millis(rng.random_range(1000..2500)));
         tally.assert_running();
-        let before = read_fences(
-            &mut redis.conn(),
-            &prefix,
-            &group,
-            &topic,
-            PARTITIONS as usize,
-        );
+        let before = read_fences(&mut redis.conn(), prefix, group, topic, PARTITIONS as usize);
         redis.kill();
         let removed = if cut > 0 {
             redis.truncate_aof_tail(cut)
@@ -87,13 +61,7 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
         thread::sleep(down);
         let t = Instant::now();
         redis.restart();
-        let after = read_fences(
-            &mut redis.conn(),
-            &prefix,
-            &group,
-            &topic,
-            PARTITIONS as usize,
-        );
+        let after = read_fences(&mut redis.conn(), prefix, group, topic, PARTITIONS as usize);
         let rolled_back: Vec<String> = before
             .iter()
             .zip(&after)
@@ -109,22 +77,14 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
             rolled_back.join(", ")
         );
     }
-    stop.store(true, Ordering::SeqCst);
-    let w = producer.join().expect("producer thread");
+    let w = producer.stop();
     eprintln!("[e2e_redis_restart] {}", w.describe());
 
-    let hwms = high_watermarks(&brokers, &topic);
-    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let hwms = run.hwms(w.events.len());
     let mut conn = redis.conn();
-    wait_applied_while(
-        &mut conn,
-        &prefix,
-        &group,
-        &topic,
-        &hwms,
-        Duration::from_secs(150),
-        || tally.assert_running(),
-    );
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(150), || {
+        tally.assert_running()
+    });
     if let Ok(text) = try_scrape_metrics(&metrics_addr) {
         let show = |name: &str| {
             metric_series(&text, name)
@@ -141,7 +101,7 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
         );
     }
 
-    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+    run.assert_exact(&mut conn, &w.truth);
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");

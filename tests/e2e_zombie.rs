@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -38,19 +36,14 @@ fn batches(metrics_addr: &str) -> String {
 
 #[test]
 fn frozen_member_cannot_double_count_after_waking() {
-    let seed = seed("e2e_zombie");
-    let brokers = brokers();
-    let topic = unique("likes-zombie");
-    let group = unique("tally-zombie");
-    let prefix = unique("zombie");
-    create_topic(&topic, PARTITIONS);
+    let run = Scenario::new("e2e_zombie", "zombie", PARTITIONS);
     let redis = RedisServer::start();
 
-    let mut w = Workload::new(seed, PARTITIONS);
+    let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(FIRST_WAVE);
-    produce(&brokers, &topic, w.messages(first));
+    produce(&run.brokers, &run.topic, w.messages(first));
 
-    let base = tally_args(&brokers, &topic, &group, &redis.url(), &prefix);
+    let base = run.tally_args(&redis.url());
     let with_metrics = |addr: &str, extra: &[&str]| {
         let mut args = base.clone();
         args.extend(
@@ -94,19 +87,7 @@ fn frozen_member_cannot_double_count_after_waking() {
     );
 
     // Events keep arriving for the whole freeze.
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = {
-        let (brokers, topic, stop) = (brokers.clone(), topic.clone(), stop.clone());
-        thread::spawn(move || {
-            let mut w = w;
-            while !stop.load(Ordering::SeqCst) {
-                let chunk = w.grow(CHUNK);
-                produce(&brokers, &topic, w.messages(chunk));
-                thread::sleep(PAUSE);
-            }
-            w
-        })
-    };
+    let producer = run.stream(w, CHUNK, PAUSE);
 
     thread::sleep(Duration::from_millis(1500));
     b.sigstop();
@@ -140,31 +121,21 @@ fn frozen_member_cannot_double_count_after_waking() {
         frozen.elapsed().as_secs_f64()
     );
     thread::sleep(Duration::from_secs(3));
-    stop.store(true, Ordering::SeqCst);
-    let w = producer.join().expect("producer thread");
+    let w = producer.stop();
     eprintln!("[e2e_zombie] {}", w.describe());
 
-    let hwms = high_watermarks(&brokers, &topic);
-    assert_eq!(hwms.iter().sum::<i64>(), w.events.len() as i64);
+    let hwms = run.hwms(w.events.len());
     let mut conn = redis.conn();
-    wait_applied_while(
-        &mut conn,
-        &prefix,
-        &group,
-        &topic,
-        &hwms,
-        Duration::from_secs(150),
-        || {
-            a.assert_running();
-            b.assert_running();
-            c.assert_running();
-        },
-    );
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(150), || {
+        a.assert_running();
+        b.assert_running();
+        c.assert_running();
+    });
     for (name, addr) in [("a", &addr_a), ("b", &addr_b), ("c", &addr_c)] {
         eprintln!("[e2e_zombie] consumer-{name} batches: {}", batches(addr));
     }
 
-    assert_counts_eq(&read_counts(&mut conn, &prefix), &w.truth);
+    run.assert_exact(&mut conn, &w.truth);
 
     for t in [&mut b, &mut c, &mut a] {
         let status = t.sigterm_and_wait(Duration::from_secs(20));

@@ -1,123 +1,15 @@
-//! Services of the benchmark: private redis-server and Tansu processes on free
-//! loopback ports, child processes of this binary, and the figures read from
-//! Redis and /proc. Every process started here is killed when its handle drops.
+//! Services of the benchmark: the local broker and redis-server (see
+//! [`crate::local`]), child processes of this binary, and the figures read
+//! from Redis and /proc.
 
-use std::fs::File;
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rustc_hash::FxHashMap;
 
-/// A child process, killed when dropped.
-pub struct Service {
-    child: Child,
-}
-
-impl Service {
-    /// The child's process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A free TCP port on the loopback interface.
-pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn wait_for_port(port: u16, what: &str, child: &mut Child) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            bail!("{what} exited ({status}) before listening on port {port}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    bail!("{what} did not listen on port {port} within 30 s")
-}
-
-/// Starts a private redis-server (no persistence) in `dir`; returns it and its URL.
-pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
-    let program = crate::demo::find_program("redis-server")
-        .context("redis-server not found; install it with `apt-get install -y redis-server` (scripts/bench does)")?;
-    let port = free_port()?;
-    let child = Command::new(program)
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .arg("--dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting redis-server")?;
-    let mut service = Service { child };
-    wait_for_port(port, "redis-server", &mut service.child)?;
-    Ok((service, format!("redis://127.0.0.1:{port}/")))
-}
-
-/// Starts a private Tansu broker with in-memory storage, logging into `dir`;
-/// returns it and its bootstrap address.
-pub fn start_tansu(dir: &Path) -> Result<(Service, String)> {
-    let program = tansu_program()?;
-    let port = free_port()?;
-    let url = format!("tcp://127.0.0.1:{port}");
-    let log = File::create(dir.join("tansu.log")).context("creating the broker log")?;
-    let child = Command::new(program)
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-        ])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .spawn()
-        .context("starting tansu")?;
-    let mut service = Service { child };
-    wait_for_port(port, "tansu", &mut service.child)?;
-    Ok((service, format!("127.0.0.1:{port}")))
-}
-
-fn tansu_program() -> Result<PathBuf> {
-    crate::demo::find_program("tansu").context(
-        "tansu not found; install it with `cargo install tansu --version 0.6.0 --features dynostore --locked` (scripts/bench does)",
-    )
-}
-
-/// Creates `topic` with `partitions` partitions on a Tansu broker.
-pub fn create_topic(brokers: &str, topic: &str, partitions: u32) -> Result<()> {
-    let status = Command::new(tansu_program()?)
-        .args([
-            "topic",
-            "create",
-            topic,
-            "--partitions",
-            &partitions.to_string(),
-        ])
-        .args(["--broker", &format!("tcp://{brokers}")])
-        .stdout(Stdio::null())
-        .status()
-        .context("running tansu topic create")?;
-    if !status.success() {
-        bail!("tansu could not create topic {topic} on {brokers}");
-    }
-    Ok(())
-}
+pub use crate::local::{Service, create_topic, free_port, start_redis, start_tansu};
 
 /// A command for this same binary, with no `TALLY_*` setting inherited, so
 /// children run with defaults and the flags given here only.

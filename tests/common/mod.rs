@@ -21,6 +21,7 @@
 //! - `redis_server`: private redis-server instances (with AOF), counters and fences.
 //! - `binary`: the `tally` process under test.
 //! - `metrics`: scraping and parsing its Prometheus endpoint.
+//! - `scenario`: one run's names, a producer thread, and the final wait-and-compare.
 //! - here: ports, names, seeds and polling.
 
 // Each test binary uses a different part of the harness.
@@ -31,6 +32,7 @@ mod kafka;
 mod metrics;
 mod process;
 mod redis_server;
+mod scenario;
 mod workload;
 
 use std::collections::HashSet;
@@ -46,6 +48,7 @@ pub use kafka::*;
 pub use metrics::*;
 pub use process::file_tail;
 pub use redis_server::*;
+pub use scenario::*;
 pub use workload::*;
 
 /// A loopback port in 20000..45000 that was free a moment ago and was not handed out before by

@@ -1,0 +1,127 @@
+//! One end-to-end run's names and plumbing: a seed, fresh topic, group and key
+//! prefix on the shared broker, a producer thread that keeps events arriving
+//! while faults are injected, and the final wait-and-compare against the
+//! workload's own ground truth.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use super::*;
+
+/// The names and broker of one test run.
+pub struct Scenario {
+    pub seed: u64,
+    pub brokers: String,
+    pub topic: String,
+    pub group: String,
+    pub prefix: String,
+}
+
+impl Scenario {
+    /// Seed for `test`, fresh `likes-<short>` topic with `partitions`, `tally-<short>` group and
+    /// `<short>` key prefix.
+    pub fn new(test: &str, short: &str, partitions: i32) -> Scenario {
+        let seed = seed(test);
+        let brokers = brokers();
+        let topic = unique(&format!("likes-{short}"));
+        create_topic(&topic, partitions);
+        Scenario {
+            seed,
+            brokers,
+            topic,
+            group: unique(&format!("tally-{short}")),
+            prefix: unique(short),
+        }
+    }
+
+    /// The usual `tally run` arguments for this run against `redis_url`.
+    pub fn tally_args(&self, redis_url: &str) -> Vec<String> {
+        tally_args(
+            &self.brokers,
+            &self.topic,
+            &self.group,
+            redis_url,
+            &self.prefix,
+        )
+    }
+
+    /// The end offsets of the topic, checked to add up to `messages`.
+    pub fn hwms(&self, messages: usize) -> Vec<i64> {
+        let hwms = high_watermarks(&self.brokers, &self.topic);
+        assert_eq!(hwms.iter().sum::<i64>(), messages as i64, "hwms {hwms:?}");
+        hwms
+    }
+
+    /// Waits until every partition's fence holds its last offset, calling `check` on each poll.
+    pub fn wait_applied(
+        &self,
+        conn: &mut redis::Connection,
+        hwms: &[i64],
+        timeout: Duration,
+        check: impl FnMut(),
+    ) {
+        wait_applied_while(
+            conn,
+            &self.prefix,
+            &self.group,
+            &self.topic,
+            hwms,
+            timeout,
+            check,
+        );
+    }
+
+    /// Every post's count in Redis equals `truth`.
+    pub fn assert_exact(
+        &self,
+        conn: &mut redis::Connection,
+        truth: &std::collections::HashMap<u64, i64>,
+    ) {
+        assert_counts_eq(&read_counts(conn, &self.prefix), truth);
+    }
+
+    /// Starts producing `chunk` more events of `workload` every `pause` until stopped.
+    pub fn stream(&self, workload: Workload, chunk: usize, pause: Duration) -> Stream {
+        Stream::start(&self.brokers, &self.topic, workload, chunk, pause)
+    }
+}
+
+/// A producer thread that keeps a workload growing; `stop` returns the workload.
+pub struct Stream {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Workload>,
+}
+
+impl Stream {
+    /// Produces `chunk` events, sleeps `pause`, and repeats; once stopped it produces one last
+    /// chunk, so events still arrive after whatever fault came last.
+    pub fn start(
+        brokers: &str,
+        topic: &str,
+        mut workload: Workload,
+        chunk: usize,
+        pause: Duration,
+    ) -> Stream {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (brokers, topic, flag) = (brokers.to_string(), topic.to_string(), stop.clone());
+        let handle = thread::spawn(move || {
+            let mut last = false;
+            while !last {
+                last = flag.load(Ordering::SeqCst);
+                let range = workload.grow(chunk);
+                produce(&brokers, &topic, workload.messages(range));
+                thread::sleep(pause);
+            }
+            workload
+        });
+        Stream { stop, handle }
+    }
+
+    /// Stops producing and returns the workload with everything produced.
+    pub fn stop(self) -> Workload {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.join().expect("producer thread")
+    }
+}
