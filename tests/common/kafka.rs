@@ -321,7 +321,7 @@ fn produce_lane(brokers: &str, topic: &str, lane: Vec<(usize, Msg)>) -> Vec<(usi
         .set("linger.ms", "5")
         .set("batch.num.messages", &batch)
         .set("queue.buffering.max.messages", "100000")
-        .set("message.timeout.ms", "120000")
+        .set("message.timeout.ms", "300000")
         .create()
         .expect("create producer");
     let mut out = Vec::with_capacity(lane.len());
@@ -348,7 +348,7 @@ fn produce_lane(brokers: &str, topic: &str, lane: Vec<(usize, Msg)>) -> Vec<(usi
                     Err((e, _)) => panic!("produce to {topic}: {e}"),
                 }
             }
-            while pending.len() >= 50_000 {
+            while pending.len() >= 10_000 {
                 let (i, res) = pending.next().await.unwrap();
                 out.push((i, delivered(topic, res)));
             }
