@@ -48,7 +48,7 @@ use crate::aggregate::CounterId;
 use crate::fence::{Decision, Reply};
 use crate::retry::{GaveUp, RedisFailure, classify_redis, retry_redis};
 use crate::routing::KeyLayout;
-use crate::store::{Store, Target, connect_blocking};
+use crate::store::{Shared, Target, connect_blocking};
 
 /// The script, with its header comment documenting KEYS, ARGV and replies.
 pub const APPLY_LUA: &str = include_str!("apply.lua");
@@ -170,7 +170,7 @@ impl PartitionFences {
 /// Applies batches to a Redis server or cluster.
 #[derive(Clone)]
 pub struct Applier {
-    store: Store,
+    store: Shared,
     sha: String,
     keys: KeyLayout,
     group: String,
@@ -195,9 +195,9 @@ impl Applier {
             url: shown.clone(),
             source,
         };
-        let mut store = Store::connect(&target).await.map_err(unreachable)?;
-        redis::cmd("PING")
-            .query_async::<String>(&mut store)
+        let store = Shared::connect(&target).await.map_err(unreachable)?;
+        store
+            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
             .await
             .map_err(unreachable)?;
         Ok(Self {
@@ -224,14 +224,17 @@ impl Applier {
     /// returns the origin in force.
     pub async fn ensure_origin(&self, partition: i32, proposed: i64) -> Result<i64, RedisError> {
         let key = self.keys.origin_key(&self.group, &self.topic, partition);
-        let mut store = self.store.clone();
-        let _: Option<String> = redis::cmd("SET")
-            .arg(&key)
-            .arg(proposed)
-            .arg("NX")
-            .query_async(&mut store)
-            .await?;
-        redis::cmd("GET").arg(&key).query_async(&mut store).await
+        self.store
+            .call(|mut store| async move {
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(proposed)
+                    .arg("NX")
+                    .query_async(&mut store)
+                    .await?;
+                redis::cmd("GET").arg(&key).query_async(&mut store).await
+            })
+            .await
     }
 
     /// Builds the script call: EVALSHA normally, EVAL (which also caches the
@@ -265,18 +268,18 @@ impl Applier {
 
     /// One attempt; a missing script is sent in full once.
     pub async fn apply_once(&self, prepared: &Prepared) -> Result<Reply, RedisError> {
-        let mut store = self.store.clone();
-        let reply: Result<(i64, i64), RedisError> =
-            self.command(prepared, true).query_async(&mut store).await;
-        let (code, fence) = match reply {
-            Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
-                crate::metrics::script_reloaded();
-                self.command(prepared, false)
-                    .query_async(&mut store)
-                    .await?
-            }
-            other => other?,
-        };
+        let (code, fence): (i64, i64) = self
+            .store
+            .call(|mut store| async move {
+                match self.command(prepared, true).query_async(&mut store).await {
+                    Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
+                        crate::metrics::script_reloaded();
+                        self.command(prepared, false).query_async(&mut store).await
+                    }
+                    other => other,
+                }
+            })
+            .await?;
         let decision = Decision::from_code(code).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
@@ -310,23 +313,30 @@ impl Applier {
 
     /// Reads a partition's origin and every slot group's fence.
     pub async fn read_fences(&self, partition: i32) -> Result<PartitionFences, RedisError> {
-        let mut store = self.store.clone();
-        let origin: Option<i64> = redis::cmd("GET")
-            .arg(self.keys.origin_key(&self.group, &self.topic, partition))
-            .query_async(&mut store)
-            .await?;
-        let reads = (0..self.keys.groups().count()).map(|g| {
-            let mut store = self.store.clone();
-            let key = self.fence_key(partition, g);
-            async move {
-                redis::cmd("GET")
-                    .arg(key)
-                    .query_async::<Option<i64>>(&mut store)
-                    .await
-            }
-        });
-        let fences = futures::future::try_join_all(reads).await?;
-        Ok(PartitionFences { origin, fences })
+        let origin_key = self.keys.origin_key(&self.group, &self.topic, partition);
+        let fence_keys: Vec<String> = (0..self.keys.groups().count())
+            .map(|g| self.fence_key(partition, g))
+            .collect();
+        self.store
+            .call(|store| async move {
+                let mut conn = store.clone();
+                let origin: Option<i64> = redis::cmd("GET")
+                    .arg(origin_key)
+                    .query_async(&mut conn)
+                    .await?;
+                let reads = fence_keys.into_iter().map(|key| {
+                    let mut conn = store.clone();
+                    async move {
+                        redis::cmd("GET")
+                            .arg(key)
+                            .query_async::<Option<i64>>(&mut conn)
+                            .await
+                    }
+                });
+                let fences = futures::future::try_join_all(reads).await?;
+                Ok(PartitionFences { origin, fences })
+            })
+            .await
     }
 
     /// Records the origin, retrying like [`Applier::apply`].

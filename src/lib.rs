@@ -28,6 +28,7 @@
 //!   error classification.
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
+//! * [`inspect`]: where a post's bucket keys live, per slot and primary.
 //! * [`local`]: private redis-server and Tansu processes for the demo and the benchmark.
 //! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
 //! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
@@ -43,6 +44,7 @@ pub mod decode;
 pub mod demo;
 pub mod fence;
 pub mod generate;
+pub mod inspect;
 pub mod local;
 pub mod metrics;
 pub mod produce;

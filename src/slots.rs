@@ -65,7 +65,9 @@ pub struct SlotGroups {
 impl SlotGroups {
     /// One group and no tags: the layout for a single Redis server.
     pub fn single() -> Self {
-        Self { tags: Arc::from([]) }
+        Self {
+            tags: Arc::from([]),
+        }
     }
 
     /// `count` groups for a cluster; `count` must be a power of two ≤ 16,384.

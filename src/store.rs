@@ -11,6 +11,8 @@
 //! one server; `redis+cluster://[user:password@]host1:port1,host2:port2,...`
 //! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
 
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{
@@ -19,6 +21,7 @@ use redis::aio::{
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ConnectionLike, Pipeline, RedisError, RedisFuture, Value};
+use tracing::warn;
 
 /// Where the counters live.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +97,7 @@ impl Store {
                 let client = ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(Duration::from_secs(3))
                     .response_timeout(Duration::from_secs(10))
-                    .retries(8)
+                    .retries(3)
                     .min_retry_wait(50)
                     .max_retry_wait(2_000)
                     .build()?;
@@ -128,6 +131,77 @@ impl AsyncConnectionLike for Store {
         match self {
             Store::Single(c) => c.get_db(),
             Store::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A store connection shared by every task, rebuilt when a cluster stops
+/// answering. After a primary dies, the cluster client can keep timing out
+/// on every node for a long while (its topology refresh waits on the dead
+/// node); a fresh connection reads the new topology from a live node at once.
+#[derive(Clone)]
+pub struct Shared {
+    inner: Arc<SharedInner>,
+}
+
+struct SharedInner {
+    target: Target,
+    current: Mutex<(u64, Store)>,
+    rebuilding: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    /// Connects to the target.
+    pub async fn connect(target: &Target) -> Result<Shared, RedisError> {
+        let store = Store::connect(target).await?;
+        Ok(Shared {
+            inner: Arc::new(SharedInner {
+                target: target.clone(),
+                current: Mutex::new((0, store)),
+                rebuilding: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// The current connection and its generation.
+    pub fn get(&self) -> (u64, Store) {
+        let current = self.inner.current.lock().unwrap_or_else(|e| e.into_inner());
+        (current.0, current.1.clone())
+    }
+
+    /// Runs `call` on the current connection; a cluster connection that failed
+    /// with a timeout or a broken connection is replaced before the error is
+    /// returned, so the caller's retry uses a fresh one.
+    pub async fn call<T, F, Fut>(&self, call: F) -> Result<T, RedisError>
+    where
+        F: FnOnce(Store) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        let (generation, store) = self.get();
+        let result = call(store).await;
+        if let Err(error) = &result
+            && self.inner.target.is_cluster()
+            && (error.is_timeout() || error.is_io_error() || error.is_connection_dropped())
+        {
+            self.rebuild(generation).await;
+        }
+        result
+    }
+
+    async fn rebuild(&self, failed: u64) {
+        let _one_at_a_time = self.inner.rebuilding.lock().await;
+        if self.get().0 != failed {
+            return;
+        }
+        match Store::connect(&self.inner.target).await {
+            Ok(store) => {
+                *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = (failed + 1, store);
+                warn!(
+                    generation = failed + 1,
+                    "Cluster connection rebuilt after errors."
+                );
+            }
+            Err(error) => warn!(%error, "Rebuilding the cluster connection failed; will retry."),
         }
     }
 }

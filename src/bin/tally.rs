@@ -27,13 +27,22 @@ enum Command {
     Produce(Box<tally::produce::ProduceConfig>),
     /// Measure tally against a raw and a naive consumer on the same events, on private services.
     Bench(Box<tally::bench::BenchConfig>),
+    /// Show where stored state lives.
+    #[command(subcommand)]
+    Inspect(Inspect),
+}
+
+#[derive(Subcommand)]
+enum Inspect {
+    /// A post's bucket keys: slot, owning primary, value, and placement against Binomial(N, 1/M).
+    Post(tally::inspect::InspectPost),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo draws a table on stdout; keep its log to what needs attention.
     let default_filter = match cli.command {
-        Command::Demo(_) | Command::Produce(_) | Command::Bench(_) => "warn",
+        Command::Demo(_) | Command::Produce(_) | Command::Bench(_) | Command::Inspect(_) => "warn",
         Command::Run(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -70,6 +79,9 @@ fn main() -> ExitCode {
                 .map_err(|e| format!("{e:#}")),
             Command::Bench(config) => tally::bench::bench(*config)
                 .await
+                .map_err(|e| format!("{e:#}")),
+            Command::Inspect(Inspect::Post(args)) => tally::inspect::inspect_post(&args)
+                .map(|report| print!("{report}"))
                 .map_err(|e| format!("{e:#}")),
         }
     });
