@@ -31,6 +31,36 @@ pub fn bucket_of(user_id: u64, buckets: u32) -> u32 {
     (stable_hash(user_id) % u64::from(buckets)) as u32
 }
 
+/// The user ids whose hashes the README publishes.
+pub const PUBLISHED_USERS: [u64; 10] = [
+    0,
+    1,
+    2,
+    42,
+    101,
+    1000,
+    123_456_789,
+    1 << 32,
+    1 << 63,
+    u64::MAX,
+];
+
+/// The README's table of stable-hash test vectors, printed by `tally docs hash-vectors`.
+pub fn hash_vectors_table() -> String {
+    let mut table =
+        String::from("| user_id | XXH64 | bucket, N=16 | bucket, N=1024 |\n|---:|---|---:|---:|\n");
+    for user in PUBLISHED_USERS {
+        let _ = writeln!(
+            table,
+            "| {user} | `{:#018x}` | {} | {} |",
+            stable_hash(user),
+            bucket_of(user, 16),
+            bucket_of(user, 1024)
+        );
+    }
+    table
+}
+
 /// Names every Redis key tally writes, under one prefix.
 ///
 /// Counter keys are `<prefix>:likes:<post_id>:<bucket>`, followed on a cluster
@@ -147,6 +177,15 @@ mod tests {
         (9_223_372_036_854_775_808, 0x3f42_5eac_f015_44e0, 0, 224),
         (u64::MAX, 0x85d1_36ad_b773_c6c9, 9, 713),
     ];
+
+    #[test]
+    fn readme_publishes_the_generated_table() {
+        let readme = include_str!("../README.md");
+        assert!(
+            readme.contains(&hash_vectors_table()),
+            "README's hash table is stale; regenerate it with `tally docs hash-vectors`"
+        );
+    }
 
     #[test]
     fn hash_matches_published_vectors() {

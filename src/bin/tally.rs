@@ -27,9 +27,18 @@ enum Command {
     Produce(Box<tally::produce::ProduceConfig>),
     /// Measure tally against a raw and a naive consumer on the same events, on private services.
     Bench(Box<tally::bench::BenchConfig>),
+    /// Print tables the documentation publishes.
+    #[command(subcommand)]
+    Docs(Docs),
     /// Show where stored state lives.
     #[command(subcommand)]
     Inspect(Inspect),
+}
+
+#[derive(Subcommand)]
+enum Docs {
+    /// The stable hash's test vectors, as the README's markdown table.
+    HashVectors,
 }
 
 #[derive(Subcommand)]
@@ -42,7 +51,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo draws a table on stdout; keep its log to what needs attention.
     let default_filter = match cli.command {
-        Command::Demo(_) | Command::Produce(_) | Command::Bench(_) | Command::Inspect(_) => "warn",
+        Command::Demo(_)
+        | Command::Produce(_)
+        | Command::Bench(_)
+        | Command::Inspect(_)
+        | Command::Docs(_) => "warn",
         Command::Run(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -80,6 +93,10 @@ fn main() -> ExitCode {
             Command::Bench(config) => tally::bench::bench(*config)
                 .await
                 .map_err(|e| format!("{e:#}")),
+            Command::Docs(Docs::HashVectors) => {
+                print!("{}", tally::routing::hash_vectors_table());
+                Ok(())
+            }
             Command::Inspect(Inspect::Post(args)) => tally::inspect::inspect_post(&args)
                 .map(|report| print!("{report}"))
                 .map_err(|e| format!("{e:#}")),
