@@ -50,10 +50,7 @@ fn aggregate(payloads: &[Vec<u8>], batch: &mut Batch, closed: &mut Vec<ClosedBat
         let offset = offset as i64;
         match tally::decode::decode(Some(payload)) {
             Ok(like) => {
-                let id = CounterId {
-                    post_id: like.post_id,
-                    bucket: bucket_of(like.user_id, DEFAULT_BUCKETS),
-                };
+                let id = CounterId::v0(like.post_id, bucket_of(like.user_id, DEFAULT_BUCKETS));
                 batch.add(offset, offset, id, like.delta)
             }
             Err(_) => batch.add_bad(offset, offset),
@@ -73,7 +70,7 @@ fn script_call(keys: &KeyLayout, fence_key: &str, batch: &ClosedBatch) -> redis:
         .arg(fence_key);
     let mut key = String::with_capacity(64);
     for (id, _) in &batch.deltas {
-        keys.write_counter_key(&mut key, id.post_id, id.bucket);
+        keys.write_counter_key(&mut key, *id);
         cmd.arg(key.as_str());
     }
     cmd.arg(batch.start).arg(batch.last).arg("1");

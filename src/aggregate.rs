@@ -11,16 +11,8 @@ use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 
+pub use crate::routing::CounterId;
 use crate::slots::SlotGroups;
-
-/// Counter identity inside one batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CounterId {
-    /// The post.
-    pub post_id: u64,
-    /// The bucket of the post the user hashes to.
-    pub bucket: u32,
-}
 
 /// Size limits that close a batch.
 #[derive(Debug, Clone, Copy)]
@@ -38,7 +30,8 @@ pub struct Batch {
     last: i64,
     messages: u64,
     bad: u64,
-    deltas: FxHashMap<CounterId, i64>,
+    /// Net delta and number of events per counter.
+    deltas: FxHashMap<CounterId, (i64, u32)>,
     opened_at: Option<Instant>,
 }
 
@@ -81,7 +74,9 @@ impl Batch {
     /// range began.
     pub fn add(&mut self, start: i64, offset: i64, id: CounterId, delta: i64) {
         self.open(start, offset);
-        *self.deltas.entry(id).or_insert(0) += delta;
+        let entry = self.deltas.entry(id).or_insert((0, 0));
+        entry.0 += delta;
+        entry.1 += 1;
     }
 
     /// Covers an event its slot group already has (after a straddle or a
@@ -109,11 +104,22 @@ impl Batch {
 
     /// Closes the batch, leaving this one empty (its map's memory is kept).
     pub fn take(&mut self) -> Option<ClosedBatch> {
+        self.take_observed(|_, _| {})
+    }
+
+    /// Closes the batch like [`Batch::take`], first telling `observe` how many
+    /// events each counter saw (likes and unlikes alike; a post may be told
+    /// once per bucket). Hot-post detection counts activity this way, once
+    /// per batch instead of once per event.
+    pub fn take_observed(&mut self, mut observe: impl FnMut(u64, u32)) -> Option<ClosedBatch> {
         let start = self.start.take()?;
         let mut deltas: Vec<(CounterId, i64)> = self
             .deltas
             .drain()
-            .filter(|&(_, delta)| delta != 0)
+            .filter_map(|(id, (delta, events))| {
+                observe(id.post_id, events);
+                (delta != 0).then_some((id, delta))
+            })
             .collect();
         // A stable order makes scripts reproducible and logs comparable.
         deltas.sort_unstable_by_key(|&(id, _)| id);
@@ -186,7 +192,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn id(post_id: u64, bucket: u32) -> CounterId {
-        CounterId { post_id, bucket }
+        CounterId::v0(post_id, bucket)
     }
 
     #[test]

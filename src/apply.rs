@@ -209,6 +209,11 @@ impl Applier {
         })
     }
 
+    /// The shared store connection.
+    pub fn store(&self) -> &Shared {
+        &self.store
+    }
+
     /// The key layout in use.
     pub fn keys(&self) -> &KeyLayout {
         &self.keys
@@ -254,7 +259,7 @@ impl Applier {
             .arg(self.fence_key(prepared.partition, prepared.group));
         let mut key = String::with_capacity(64);
         for (id, _) in &prepared.deltas {
-            self.keys.write_counter_key(&mut key, id.post_id, id.bucket);
+            self.keys.write_counter_key(&mut key, *id);
             cmd.arg(key.as_str());
         }
         cmd.arg(prepared.start)

@@ -45,6 +45,20 @@ pub struct RunConfig {
     #[arg(long, env = "TALLY_BUCKETS", default_value_t = DEFAULT_BUCKETS)]
     pub buckets: u32,
 
+    /// Promote a post to --hot-buckets when its events across all consumers
+    /// exceed this many per second (0 turns detection off; `tally promote` still works).
+    #[arg(long, env = "TALLY_PROMOTE_ABOVE", default_value_t = 300)]
+    pub promote_above: u64,
+
+    /// Buckets a hot post is promoted to (a new routing version; old keys stay summed).
+    #[arg(long, env = "TALLY_HOT_BUCKETS", default_value_t = 64)]
+    pub hot_buckets: u32,
+
+    /// How often the routing registry is read again (milliseconds); at most 2000, so
+    /// new versions are known well before they take effect.
+    #[arg(long, env = "TALLY_ROUTE_REFRESH_MS", default_value_t = 1_000)]
+    pub route_refresh_ms: u64,
+
     /// Prefix of every Redis key tally writes.
     #[arg(long, env = "TALLY_PREFIX", default_value = DEFAULT_PREFIX)]
     pub prefix: String,
@@ -148,6 +162,12 @@ impl RunConfig {
         }
         if self.buckets == 0 || self.buckets > 1 << 20 {
             return Err(bad("buckets", "must be between 1 and 1048576"));
+        }
+        if self.hot_buckets == 0 || self.hot_buckets > 1 << 16 {
+            return Err(bad("hot-buckets", "must be between 1 and 65536"));
+        }
+        if !(10..=2_000).contains(&self.route_refresh_ms) {
+            return Err(bad("route-refresh-ms", "must be between 10 and 2000"));
         }
         if self.prefix.is_empty()
             || self

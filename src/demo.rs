@@ -124,15 +124,6 @@ async fn generate(
     Ok(())
 }
 
-fn read_post(conn: &mut redis::Connection, keys: &KeyLayout, post: u64, buckets: u32) -> i64 {
-    let names: Vec<String> = (0..buckets).map(|b| keys.counter_key(post, b)).collect();
-    let values: Vec<Option<i64>> = redis::cmd("MGET")
-        .arg(&names)
-        .query(conn)
-        .unwrap_or_default();
-    values.into_iter().flatten().sum()
-}
-
 fn read_all(conn: &mut redis::Connection, keys: &KeyLayout) -> Result<HashMap<u64, i64>> {
     let mut counts = HashMap::new();
     let names: Vec<String> = redis::cmd("KEYS")
@@ -141,8 +132,8 @@ fn read_all(conn: &mut redis::Connection, keys: &KeyLayout) -> Result<HashMap<u6
     for chunk in names.chunks(1000) {
         let values: Vec<Option<i64>> = redis::cmd("MGET").arg(chunk).query(conn)?;
         for (name, value) in chunk.iter().zip(values) {
-            if let (Some((post, _)), Some(v)) = (keys.parse_counter_key(name), value) {
-                *counts.entry(post).or_default() += v;
+            if let (Some(id), Some(v)) = (keys.parse_counter_key(name), value) {
+                *counts.entry(id.post_id).or_default() += v;
             }
         }
     }
@@ -173,6 +164,9 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         slot_groups: 128,
         test_script_pause_ms: 0,
         buckets: config.buckets,
+        promote_above: 300,
+        hot_buckets: 64,
+        route_refresh_ms: 1_000,
         prefix: "tally".into(),
         dead_letter_topic: None,
         batch_max_events: 100_000,
@@ -191,6 +185,9 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
 
     let keys = KeyLayout::new("tally");
     let mut conn = redis::Client::open(redis_url.as_str())?.get_connection()?;
+    let store = crate::store::Shared::connect(&crate::store::Target::Single(redis_url.clone()))
+        .await?;
+    let reader = crate::read::Reader::new(store, keys.clone(), config.buckets, Duration::ZERO);
     let started = Instant::now();
     let mut every = tokio::time::interval(Duration::from_secs(1));
     every.tick().await;
@@ -211,7 +208,7 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         let messages = Stats::get(&stats.messages);
         let batches = Stats::get(&stats.batches);
         let increments = Stats::get(&stats.increments);
-        let viral = read_post(&mut conn, &keys, 4_242, config.buckets);
+        let viral = reader.count(4_242).await.map_or(0, |c| c.likes);
         println!(
             "{:>5}s  {:>10}  {:>9}  {:>11.4}  {:>14}  {:>14}  {:>8}",
             started.elapsed().as_secs(),

@@ -1,10 +1,11 @@
 //! Inspect: where a post's bucket keys live, and whether placement luck
 //! overloads a primary.
 //!
-//! For each bucket key of a post: its hash slot, the primary that owns the
+//! For each bucket key of every routing version of a post: its hash slot, the primary that owns the
 //! slot now, and its value. Per primary: how many buckets it holds against
 //! the Binomial(N, 1/M) expectation (mean N/M, σ = sqrt(N·(1/M)·(1−1/M))),
-//! flagging primaries above mean + 2σ. A single server is one primary that
+//! flagging primaries above mean + 2σ (for the newest version, the one
+//! taking new likes). A single server is one primary that
 //! holds everything.
 
 use std::collections::BTreeMap;
@@ -14,9 +15,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use crate::routing::KeyLayout;
+use crate::routing::{CounterId, KeyLayout};
 use crate::slots::{SlotGroups, key_slot};
 use crate::store::{Target, connect_blocking};
+use crate::versions::PostMeta;
 
 /// Settings of `tally inspect post`.
 #[derive(Debug, Clone, Args)]
@@ -117,47 +119,71 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
     })?;
     let primaries: std::collections::BTreeSet<&str> =
         owners.iter().map(|(_, _, o)| o.as_str()).collect();
-    let mut per_primary: BTreeMap<&str, u32> = primaries.iter().map(|p| (*p, 0)).collect();
+    let fields: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(keys.route_key(args.post_id))
+        .query(conn.as_mut())?;
+    let meta = PostMeta::from_fields(&fields, args.buckets);
     let mut out = String::new();
-    let mut total = 0i64;
+    let mut total = meta.base;
     writeln!(
         out,
-        "post {} — {} buckets over {} primaries",
+        "post {} — {} over {} primaries (mode {}, current version {})",
         args.post_id,
-        args.buckets,
-        primaries.len()
-    )?;
-    writeln!(
-        out,
-        "{:>6}  {:>5}  {:<21}  {:>10}  key",
-        "bucket", "slot", "primary", "value"
-    )?;
-    for bucket in 0..args.buckets {
-        let key = keys.counter_key(args.post_id, bucket);
-        let slot = key_slot(key.as_bytes());
-        let owner = owners
+        meta.versions
             .iter()
-            .find(|(s, e, _)| (*s..=*e).contains(&slot))
-            .map_or("(unassigned)", |(_, _, o)| o.as_str());
-        if let Some(n) = per_primary.get_mut(owner) {
-            *n += 1;
-        }
-        let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn.as_mut())?;
-        total += value.unwrap_or(0);
-        writeln!(
-            out,
-            "{bucket:>6}  {slot:>5}  {owner:<21}  {:>10}  {key}",
-            value.unwrap_or(0)
-        )?;
-    }
-    let (mean, sigma) = binomial(args.buckets, primaries.len());
-    writeln!(out, "count {total}")?;
+            .map(|(v, n)| format!("version {v}: {n} buckets"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        primaries.len(),
+        meta.mode.as_deref().unwrap_or("default"),
+        meta.current.unwrap_or(0),
+    )?;
     writeln!(
         out,
-        "per primary (Binomial mean {mean:.2}, σ {sigma:.2}, flag above {:.2}):",
+        "{:>7}  {:>6}  {:>5}  {:<21}  {:>10}  key",
+        "version", "bucket", "slot", "primary", "value"
+    )?;
+    let mut newest: BTreeMap<&str, u32> = BTreeMap::new();
+    for &(version, buckets) in &meta.versions {
+        let is_newest = Some(&(version, buckets)) == meta.versions.last();
+        newest = primaries.iter().map(|p| (*p, 0)).collect();
+        for bucket in 0..buckets {
+            let key = keys.key_of(CounterId {
+                post_id: args.post_id,
+                version,
+                bucket,
+            });
+            let slot = key_slot(key.as_bytes());
+            let owner = owners
+                .iter()
+                .find(|(s, e, _)| (*s..=*e).contains(&slot))
+                .map_or("(unassigned)", |(_, _, o)| o.as_str());
+            if let Some(n) = newest.get_mut(owner)
+                && is_newest
+            {
+                *n += 1;
+            }
+            let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn.as_mut())?;
+            total += value.unwrap_or(0);
+            writeln!(
+                out,
+                "{version:>7}  {bucket:>6}  {slot:>5}  {owner:<21}  {:>10}  {key}",
+                value.unwrap_or(0)
+            )?;
+        }
+    }
+    if meta.base != 0 {
+        writeln!(out, "base {}", meta.base)?;
+    }
+    writeln!(out, "count {total}")?;
+    let &(version, buckets) = meta.versions.last().expect("version 0 at least");
+    let (mean, sigma) = binomial(buckets, primaries.len());
+    writeln!(
+        out,
+        "version {version} per primary (Binomial mean {mean:.2}, σ {sigma:.2}, flag above {:.2}):",
         mean + 2.0 * sigma
     )?;
-    for (primary, n) in per_primary {
+    for (primary, n) in newest {
         let flag = if f64::from(n) > mean + 2.0 * sigma {
             "  <- above mean + 2σ"
         } else {

@@ -20,6 +20,11 @@
 //!
 //! * [`fence`]: the pure apply / duplicate / straddle / gap decision.
 //! * [`routing`]: the stable hash, buckets and the Redis key layout.
+//! * [`versions`]: per-post routing versions (promotion, demotion) and the
+//!   order of operations that keeps writers and readers consistent.
+//! * [`hot`]: hot-post detection (a heavy-hitters sketch, shared per second).
+//! * [`read`] and [`serve`]: the read path (a cached, coalescing `Reader`)
+//!   and its HTTP front; [`promote`]: routing changes by hand.
 //! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
 //! * [`store`]: connections to one Redis server or a cluster.
 //! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
@@ -44,13 +49,18 @@ pub mod decode;
 pub mod demo;
 pub mod fence;
 pub mod generate;
+pub mod hot;
 pub mod inspect;
 pub mod local;
 pub mod metrics;
 pub mod produce;
+pub mod promote;
 pub mod proto;
+pub mod read;
 pub mod retry;
 pub mod routing;
 pub mod run;
+pub mod serve;
 pub mod slots;
 pub mod store;
+pub mod versions;

@@ -42,6 +42,20 @@ pub const ASSIGNED_PARTITIONS: &str = "tally_assigned_partitions";
 /// Kafka offset commits that failed (harmless: the fence is the truth).
 pub const COMMIT_FAILURES: &str = "tally_commit_failures_total";
 
+/// Routing versions published, by `trigger` (`auto` from hot-post detection,
+/// `manual` from `tally promote` and `tally demote` when they run inside a
+/// process that exports metrics).
+pub const PROMOTIONS: &str = "tally_promotions_total";
+/// Posts with routing metadata in this consumer's view of the registry.
+pub const ROUTED_POSTS: &str = "tally_routed_posts";
+/// Pauses taken before routing an event stamped ahead of the registry clock,
+/// or while the registry view was too old for it.
+pub const ROUTE_WAITS: &str = "tally_route_waits_total";
+/// Counts served from the reader's cache.
+pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
+/// Counts the reader had to fetch (a miss that joined another's fetch included).
+pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
+
 /// Registers every series at zero so dashboards see them before the first event.
 pub fn describe() {
     for reason in BadReason::ALL {
@@ -61,9 +75,16 @@ pub fn describe() {
         SCRIPT_RELOADS,
         RESYNCS,
         COMMIT_FAILURES,
+        ROUTE_WAITS,
+        READ_CACHE_HITS,
+        READ_CACHE_MISSES,
     ] {
         counter!(name).absolute(0);
     }
+    for trigger in ["auto", "manual"] {
+        counter!(PROMOTIONS, "trigger" => trigger).absolute(0);
+    }
+    gauge!(ROUTED_POSTS).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
 
@@ -157,6 +178,35 @@ pub fn assigned(partitions: usize) {
 /// Records a failed offset commit.
 pub fn commit_failed() {
     counter!(COMMIT_FAILURES).increment(1);
+}
+
+/// Records a published routing version.
+pub fn promoted(trigger: crate::versions::Trigger) {
+    let trigger = match trigger {
+        crate::versions::Trigger::Auto => "auto",
+        crate::versions::Trigger::Manual => "manual",
+    };
+    counter!(PROMOTIONS, "trigger" => trigger).increment(1);
+}
+
+/// Records the number of posts with routing metadata.
+pub fn routed_posts(posts: usize) {
+    gauge!(ROUTED_POSTS).set(posts as f64);
+}
+
+/// Records a pause before routing an event.
+pub fn route_wait() {
+    counter!(ROUTE_WAITS).increment(1);
+}
+
+/// Records reads served from the cache (`hit`) or fetched.
+pub fn read_cache(hits: u64, misses: u64) {
+    if hits > 0 {
+        counter!(READ_CACHE_HITS).increment(hits);
+    }
+    if misses > 0 {
+        counter!(READ_CACHE_MISSES).increment(misses);
+    }
 }
 
 /// Serves Prometheus metrics at `http://<addr>/metrics`.

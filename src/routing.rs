@@ -61,13 +61,41 @@ pub fn hash_vectors_table() -> String {
     table
 }
 
+/// One counter: a bucket of one routing version of a post.
+///
+/// Version 0 is the default layout every post starts with; versions 1 and up
+/// are created by promotion and demotion (see [`crate::versions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CounterId {
+    /// The post.
+    pub post_id: u64,
+    /// The routing version whose buckets the like went to.
+    pub version: u32,
+    /// The bucket of that version the user hashes to.
+    pub bucket: u32,
+}
+
+impl CounterId {
+    /// A bucket of the default layout (version 0).
+    pub fn v0(post_id: u64, bucket: u32) -> Self {
+        Self {
+            post_id,
+            version: 0,
+            bucket,
+        }
+    }
+}
+
 /// Names every Redis key tally writes, under one prefix.
 ///
-/// Counter keys are `<prefix>:likes:<post_id>:<bucket>`, followed on a cluster
-/// by `:{<tag>}`, the computed hash tag of the key's slot group (see
-/// [`crate::slots`]). The sum of all keys matching `<prefix>:likes:<post_id>:*`
-/// is the post's count, and nothing else ever matches that pattern. Fences
-/// live under `<prefix>:fence:`, origins under `<prefix>:origin:`.
+/// Counter keys are `<prefix>:likes:<post_id>:<bucket>` for version 0 and
+/// `<prefix>:likes:<post_id>:v<version>:b<bucket>` for later versions,
+/// followed on a cluster by `:{<tag>}`, the computed hash tag of the key's
+/// slot group (see [`crate::slots`]). The sum of all keys matching
+/// `<prefix>:likes:<post_id>:*` (plus the optional base of the post's routing
+/// metadata) is the post's count, and nothing else ever matches that pattern.
+/// Fences live under `<prefix>:fence:`, origins under `<prefix>:origin:`,
+/// routing metadata under `<prefix>:route:`.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
     prefix: String,
@@ -104,21 +132,51 @@ impl KeyLayout {
         }
     }
 
-    /// Writes the counter key of (post, bucket) into `out`, replacing its contents.
+    /// Writes the key of a counter into `out`, replacing its contents.
     ///
     /// Lets the hot path reuse one buffer instead of allocating a key per entry.
-    pub fn write_counter_key(&self, out: &mut String, post_id: u64, bucket: u32) {
+    pub fn write_counter_key(&self, out: &mut String, id: CounterId) {
         out.clear();
         // Writing to a String cannot fail.
-        let _ = write!(out, "{}:likes:{}:{}", self.prefix, post_id, bucket);
-        self.write_tag(out, self.groups.group_of(post_id, bucket));
+        if id.version == 0 {
+            let _ = write!(out, "{}:likes:{}:{}", self.prefix, id.post_id, id.bucket);
+        } else {
+            let _ = write!(
+                out,
+                "{}:likes:{}:v{}:b{}",
+                self.prefix, id.post_id, id.version, id.bucket
+            );
+        }
+        self.write_tag(out, self.groups.group_of(id.post_id, id.bucket));
     }
 
-    /// The counter key of (post, bucket).
-    pub fn counter_key(&self, post_id: u64, bucket: u32) -> String {
+    /// The key of a counter.
+    pub fn key_of(&self, id: CounterId) -> String {
         let mut key = String::new();
-        self.write_counter_key(&mut key, post_id, bucket);
+        self.write_counter_key(&mut key, id);
         key
+    }
+
+    /// The key of a version-0 counter (post, bucket).
+    pub fn counter_key(&self, post_id: u64, bucket: u32) -> String {
+        self.key_of(CounterId::v0(post_id, bucket))
+    }
+
+    /// The routing metadata of a post: a hash read by readers (see
+    /// [`crate::versions`]). Deliberately outside `<prefix>:likes:`.
+    pub fn route_key(&self, post_id: u64) -> String {
+        format!("{}:route:{}", self.prefix, post_id)
+    }
+
+    /// The registry of every post with routing metadata, read by writers.
+    pub fn registry_key(&self) -> String {
+        format!("{}:routes", self.prefix)
+    }
+
+    /// The shared per-second activity counters hot-post detection sums across
+    /// consumers.
+    pub fn heat_key(&self, window: u64) -> String {
+        format!("{}:heat:{}", self.prefix, window)
     }
 
     /// The glob pattern matching every bucket of a post.
@@ -142,19 +200,32 @@ impl KeyLayout {
         key
     }
 
-    /// Parses a counter key back into (post, bucket); `None` for any other key.
-    pub fn parse_counter_key(&self, key: &str) -> Option<(u64, u32)> {
+    /// Parses a counter key back into its counter; `None` for any other key.
+    pub fn parse_counter_key(&self, key: &str) -> Option<CounterId> {
         let rest = key
             .strip_prefix(self.prefix.as_str())?
             .strip_prefix(":likes:")?;
-        let mut parts = rest.splitn(3, ':');
-        let post = parts.next()?.parse().ok()?;
-        let bucket = parts.next()?.parse().ok()?;
-        match parts.next() {
-            None => Some((post, bucket)),
-            Some(tag) if tag.starts_with('{') && tag.ends_with('}') => Some((post, bucket)),
-            Some(_) => None,
-        }
+        let mut parts = rest.split(':');
+        let post_id = parts.next()?.parse().ok()?;
+        let first = parts.next()?;
+        let (version, bucket) = match first.strip_prefix('v') {
+            Some(version) => {
+                let version = version.parse().ok().filter(|&v| v > 0)?;
+                let bucket = parts.next()?.strip_prefix('b')?.parse().ok()?;
+                (version, bucket)
+            }
+            None => (0, first.parse().ok()?),
+        };
+        let tag_ok = match (parts.next(), parts.next()) {
+            (None, _) => true,
+            (Some(tag), None) => tag.len() > 2 && tag.starts_with('{') && tag.ends_with('}'),
+            _ => false,
+        };
+        tag_ok.then_some(CounterId {
+            post_id,
+            version,
+            bucket,
+        })
     }
 }
 
@@ -206,12 +277,27 @@ mod tests {
         let cluster = KeyLayout::with_groups("tally", SlotGroups::cluster(16));
         let key = cluster.counter_key(101, 3);
         assert!(key.starts_with("tally:likes:101:3:{"), "{key}");
-        assert_eq!(cluster.parse_counter_key(&key), Some((101, 3)));
+        assert_eq!(cluster.parse_counter_key(&key), Some(CounterId::v0(101, 3)));
         let slot = crate::slots::key_slot(key.as_bytes());
         let group = cluster.groups().group_of(101, 3);
         let fence = cluster.fence_key("g", "likes", 7, group);
         assert_eq!(crate::slots::key_slot(fence.as_bytes()), slot);
-        assert_eq!(keys.parse_counter_key("tally:likes:101:3"), Some((101, 3)));
+        assert_eq!(
+            keys.parse_counter_key("tally:likes:101:3"),
+            Some(CounterId::v0(101, 3))
+        );
+        let hot = CounterId {
+            post_id: 101,
+            version: 3,
+            bucket: 17,
+        };
+        assert_eq!(keys.key_of(hot), "tally:likes:101:v3:b17");
+        assert_eq!(keys.parse_counter_key("tally:likes:101:v3:b17"), Some(hot));
+        let tagged = cluster.key_of(hot);
+        assert!(tagged.starts_with("tally:likes:101:v3:b17:{"), "{tagged}");
+        assert_eq!(cluster.parse_counter_key(&tagged), Some(hot));
+        assert_eq!(keys.parse_counter_key("tally:likes:101:v0:b1"), None);
+        assert_eq!(keys.parse_counter_key("tally:route:101"), None);
         assert_eq!(keys.parse_counter_key("tally:fence:g:likes:7"), None);
         assert_eq!(keys.parse_counter_key("other:likes:1:2"), None);
     }
@@ -225,9 +311,16 @@ mod tests {
         }
 
         #[test]
-        fn counter_keys_round_trip(post: u64, bucket: u32) {
-            let keys = KeyLayout::new("p:x");
-            prop_assert_eq!(keys.parse_counter_key(&keys.counter_key(post, bucket)), Some((post, bucket)));
+        fn counter_keys_round_trip(post_id: u64, version in 0u32..1000, bucket: u32, cluster: bool) {
+            let keys = if cluster {
+                KeyLayout::with_groups("p:x", SlotGroups::cluster(64))
+            } else {
+                KeyLayout::new("p:x")
+            };
+            let id = CounterId { post_id, version, bucket };
+            prop_assert_eq!(keys.parse_counter_key(&keys.key_of(id)), Some(id));
+            let head = format!("p:x:likes:{post_id}:");
+            prop_assert!(keys.key_of(id).starts_with(&head));
         }
 
         #[test]

@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::aggregate::{Batch, ClosedBatch, CounterId, Limits};
+use crate::aggregate::{Batch, ClosedBatch, Limits};
 use crate::apply::{Applier, ApplyError, ConnectError, FenceReader, PartitionFences, Prepared};
 use crate::commit::Committer;
 use crate::config::{ConfigError, RunConfig};
@@ -42,10 +42,12 @@ use crate::consume::{self, LikeConsumer, Rebalanced, TallyContext, TopicError};
 use crate::dead_letter::{DeadLetter, DeadLetters, Pending};
 use crate::decode::decode;
 use crate::fence::{Decision, Reply, Tracker};
+use crate::hot::{Detector, Policy};
 use crate::metrics::{self, Stats};
-use crate::routing::{KeyLayout, bucket_of};
+use crate::routing::KeyLayout;
 use crate::slots::SlotGroups;
 use crate::store::Target;
+use crate::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -226,6 +228,17 @@ pub async fn run(
     let keys = KeyLayout::with_groups(&config.prefix, groups);
     let applier =
         Applier::connect(&config.redis, keys.clone(), &config.group, &config.topic).await?;
+    let routes = Routes::new(applier.store().clone(), keys.clone(), config.buckets);
+    let watch = RouteWatch::start(
+        routes.clone(),
+        Duration::from_millis(config.route_refresh_ms),
+        shutdown.child_token(),
+    )
+    .await
+    .map_err(|source| ConnectError::Unreachable {
+        url: shown.clone(),
+        source,
+    })?;
     let fences =
         FenceReader::new(&config.redis, keys, &config.group, &config.topic).map_err(|problem| {
             ConnectError::BadUrl {
@@ -259,8 +272,16 @@ pub async fn run(
         group = %config.group,
         buckets = config.buckets,
         prefix = %config.prefix,
+        promote_above = config.promote_above,
+        routed_posts = watch.current().routed_posts(),
         "Consuming."
     );
+    let detector = (config.promote_above > 0).then(|| {
+        Detector::new(Policy {
+            promote_above: config.promote_above,
+            hot_buckets: config.hot_buckets,
+        })
+    });
     let mut pipeline = Pipeline {
         limits: Limits {
             max_events: config.batch_max_events,
@@ -271,6 +292,11 @@ pub async fn run(
         config,
         consumer,
         applier,
+        routes,
+        table: watch.current(),
+        watch,
+        detector,
+        sharing: None,
         dead_letters,
         stats,
         owned: HashMap::new(),
@@ -291,6 +317,14 @@ struct Pipeline {
     flush_after: Duration,
     consumer: LikeConsumer,
     applier: Applier,
+    routes: Routes,
+    watch: RouteWatch,
+    /// The registry view events are routed with; replaced by a newer one on
+    /// every tick, and before any event it is too old for.
+    table: Arc<RouteTable>,
+    detector: Option<Detector>,
+    /// The task sharing the last second's hot-post counts.
+    sharing: Option<JoinHandle<()>>,
     dead_letters: Option<Arc<DeadLetters>>,
     committer: Committer,
     stats: Arc<Stats>,
@@ -324,12 +358,16 @@ impl Pipeline {
                     match received {
                         Ok(message) => {
                             let partition = message.partition();
+                            let timestamp = message.timestamp().to_millis().unwrap_or(0);
+                            if self.table.readiness(timestamp) != Readiness::Ready {
+                                self.table = self.watch.ready_for(timestamp).await;
+                            }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;
                             if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
                                 self.blocked = false;
                             }
-                            let accepted = Self::accept(&mut self.owned, self.applier.keys().groups(), &message, &self.config, &self.stats, self.dead_letters.as_deref());
+                            let accepted = Self::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.stats, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition); }
                         }
@@ -337,6 +375,8 @@ impl Pipeline {
                     }
                 }
                 _ = tick.tick() => {
+                    self.table = self.watch.current();
+                    self.detect();
                     self.retry_seeks();
                     self.dispatch_ready(false);
                 }
@@ -417,7 +457,8 @@ impl Pipeline {
         owned: &mut HashMap<i32, Owned>,
         groups: &SlotGroups,
         message: &BorrowedMessage<'_>,
-        config: &RunConfig,
+        timestamp: i64,
+        routes: &RouteTable,
         stats: &Stats,
         dead_letters: Option<&DeadLetters>,
     ) -> bool {
@@ -432,10 +473,7 @@ impl Pipeline {
         let start = state.next.unwrap_or(offset);
         match decode(message.payload()) {
             Ok(like) => {
-                let id = CounterId {
-                    post_id: like.post_id,
-                    bucket: bucket_of(like.user_id, config.buckets),
-                };
+                let id = routes.counter(like.post_id, like.user_id, timestamp);
                 let already_in = state.known.as_ref().is_some_and(|(_, t)| {
                     offset <= t.highest()
                         && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
@@ -517,7 +555,13 @@ impl Pipeline {
         if state.pending_seek.is_some() {
             return;
         }
-        let mut batch = match (state.batch.take(), state.next) {
+        let taken = match self.detector.as_mut() {
+            Some(detector) => state
+                .batch
+                .take_observed(|post, events| detector.observe(post, events)),
+            None => state.batch.take(),
+        };
+        let mut batch = match (taken, state.next) {
             (Some(batch), _) => batch,
             (None, Some(next)) if state.known.is_some() => ClosedBatch::probe(next),
             (None, _) => return,
@@ -583,6 +627,40 @@ impl Pipeline {
                 bad,
                 took: began.elapsed(),
                 result,
+            }
+        }));
+    }
+
+    /// Closes a second of hot-post detection: shares its counts and promotes
+    /// what crossed the threshold, in a task (one at a time; a second whose
+    /// predecessor is still being shared is skipped).
+    fn detect(&mut self) {
+        let Some(detector) = self.detector.as_mut() else {
+            return;
+        };
+        let Some(report) = detector.tick((wall_ms() / 1000) as u64) else {
+            return;
+        };
+        if self
+            .sharing
+            .as_ref()
+            .is_some_and(|task| !task.is_finished())
+        {
+            return;
+        }
+        let policy = detector.policy();
+        let store = self.applier.store().clone();
+        let keys = self.applier.keys().clone();
+        let routes = self.routes.clone();
+        let table = self.table.clone();
+        let watch = self.watch.clone();
+        self.sharing = Some(tokio::spawn(async move {
+            match policy.share(report, &store, &keys, &routes, &table).await {
+                Ok(promoted) if !promoted.is_empty() => watch.refresh_soon(),
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(%error, "Sharing hot-post counts failed; this second is skipped.");
+                }
             }
         }));
     }

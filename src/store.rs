@@ -12,7 +12,7 @@
 //! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use redis::aio::{
@@ -203,6 +203,58 @@ impl Shared {
             }
             Err(error) => warn!(%error, "Rebuilding the cluster connection failed; will retry."),
         }
+    }
+}
+
+/// A small Lua script sent by hash, and in full once after a NOSCRIPT (a
+/// flushed script cache, a failover, a node that never saw it).
+pub struct Lua {
+    text: &'static str,
+    sha: OnceLock<String>,
+}
+
+impl Lua {
+    /// A script with the given source.
+    pub const fn new(text: &'static str) -> Self {
+        Self {
+            text,
+            sha: OnceLock::new(),
+        }
+    }
+
+    fn command(&self, by_hash: bool, keys: &[&str], args: &[&str]) -> Cmd {
+        let mut cmd = if by_hash {
+            let sha = self
+                .sha
+                .get_or_init(|| redis::Script::new(self.text).get_hash().to_string());
+            redis::cmd("EVALSHA").arg(sha.as_str()).clone()
+        } else {
+            redis::cmd("EVAL").arg(self.text).clone()
+        };
+        cmd.arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+
+    /// Runs the script once on the server owning `keys`.
+    pub async fn call<T: redis::FromRedisValue>(
+        &self,
+        store: &Shared,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<T, RedisError> {
+        store
+            .call(|mut s| async move {
+                match self.command(true, keys, args).query_async(&mut s).await {
+                    Err(error)
+                        if crate::retry::classify_redis(&error)
+                            == crate::retry::RedisFailure::NoScript =>
+                    {
+                        self.command(false, keys, args).query_async(&mut s).await
+                    }
+                    other => other,
+                }
+            })
+            .await
     }
 }
 

@@ -20,7 +20,7 @@ fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64)]) 
         absent_fence,
         deltas: deltas
             .iter()
-            .map(|&(post_id, bucket, d)| (CounterId { post_id, bucket }, d))
+            .map(|&(post_id, bucket, d)| (CounterId::v0(post_id, bucket), d))
             .collect(),
     }
 }

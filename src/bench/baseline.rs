@@ -21,7 +21,7 @@ use rustc_hash::FxHashMap;
 use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command};
 use super::{BenchConfig, Env, Measured, check_sample};
 use crate::config::DEFAULT_BUCKETS;
-use crate::routing::{KeyLayout, bucket_of};
+use crate::routing::{CounterId, KeyLayout, bucket_of};
 
 /// Messages a naive consumer handles per poll: the Java client's `max.poll.records` default.
 pub const NAIVE_POLL_BATCH: usize = 500;
@@ -86,7 +86,7 @@ pub(super) async fn run(kind: Baseline, config: &BenchConfig) -> Result<()> {
         while let Some(message) = batch.take() {
             if let (Ok(like), Some(conn)) = (crate::decode::decode(message.payload()), &mut redis) {
                 let bucket = bucket_of(like.user_id, DEFAULT_BUCKETS);
-                keys.write_counter_key(&mut key, like.post_id, bucket);
+                keys.write_counter_key(&mut key, CounterId::v0(like.post_id, bucket));
                 let mut incr = redis::cmd(if like.delta > 0 { "INCR" } else { "DECR" });
                 incr.arg(key.as_str());
                 if kind == Baseline::Naive {

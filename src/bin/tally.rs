@@ -1,5 +1,6 @@
 //! The `tally` command: parses flags and hands over to the library.
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -33,6 +34,14 @@ enum Command {
     /// Show where stored state lives.
     #[command(subcommand)]
     Inspect(Inspect),
+    /// Print posts' like counts, summed over every bucket and version.
+    Count(tally::read::CountArgs),
+    /// Serve counts over HTTP: GET /v1/posts/{id}/likes and /v1/likes?post_id=..
+    Serve(tally::serve::ServeArgs),
+    /// Give a post more buckets now (a new routing version; safe while tally runs).
+    Promote(tally::promote::RouteArgs),
+    /// Give a post fewer buckets (a new routing version; old keys stay summed).
+    Demote(tally::promote::RouteArgs),
 }
 
 #[derive(Subcommand)]
@@ -55,8 +64,11 @@ fn main() -> ExitCode {
         | Command::Produce(_)
         | Command::Bench(_)
         | Command::Inspect(_)
-        | Command::Docs(_) => "warn",
-        Command::Run(_) => "info,rdkafka=warn",
+        | Command::Docs(_)
+        | Command::Count(_)
+        | Command::Promote(_)
+        | Command::Demote(_) => "warn",
+        Command::Run(_) | Command::Serve(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -64,6 +76,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -100,6 +113,29 @@ fn main() -> ExitCode {
             Command::Inspect(Inspect::Post(args)) => tally::inspect::inspect_post(&args)
                 .map(|report| print!("{report}"))
                 .map_err(|e| format!("{e:#}")),
+            Command::Count(args) => tally::read::count_command(&args)
+                .await
+                .map(|out| print!("{out}"))
+                .map_err(|e| format!("{e:#}")),
+            Command::Serve(args) => {
+                let shutdown = CancellationToken::new();
+                tokio::spawn(on_signal(shutdown.clone()));
+                tally::serve::serve(args, shutdown)
+                    .await
+                    .map_err(|e| format!("{e:#}"))
+            }
+            Command::Promote(args) => {
+                tally::promote::route_command(&args, tally::promote::Direction::Promote)
+                    .await
+                    .map(|out| print!("{out}"))
+                    .map_err(|e| format!("{e:#}"))
+            }
+            Command::Demote(args) => {
+                tally::promote::route_command(&args, tally::promote::Direction::Demote)
+                    .await
+                    .map(|out| print!("{out}"))
+                    .map_err(|e| format!("{e:#}"))
+            }
         }
     });
     match result {

@@ -245,16 +245,8 @@ pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i
     for chunk in keys.chunks(500) {
         let values: Vec<Option<String>> = redis::cmd("MGET").arg(chunk).query(conn).expect("MGET");
         for (key, value) in chunk.iter().zip(values) {
-            let rest = key.strip_prefix(&head).unwrap();
-            let (post, bucket) = rest
-                .split_once(':')
+            let post = parse_counter_key(key.strip_prefix(&head).unwrap())
                 .unwrap_or_else(|| panic!("unexpected counter key {key:?}"));
-            let post: u64 = post
-                .parse()
-                .unwrap_or_else(|_| panic!("bad post id in key {key:?}"));
-            let _bucket: u32 = bucket
-                .parse()
-                .unwrap_or_else(|_| panic!("bad bucket in key {key:?}"));
             let Some(value) = value else { continue };
             let value: i64 = value
                 .parse()
@@ -263,6 +255,30 @@ pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i
         }
     }
     counts
+}
+
+/// The post of a counter key's tail: `<post>:<bucket>` or `<post>:v<version>:b<bucket>`, either
+/// optionally followed by a cluster hash tag `:{<tag>}`.
+fn parse_counter_key(tail: &str) -> Option<u64> {
+    let mut parts: Vec<&str> = tail.split(':').collect();
+    if parts
+        .last()
+        .is_some_and(|t| t.starts_with('{') && t.ends_with('}'))
+    {
+        parts.pop();
+    }
+    match parts.as_slice() {
+        [post, bucket] => {
+            bucket.parse::<u32>().ok()?;
+            post.parse().ok()
+        }
+        [post, version, bucket] => {
+            version.strip_prefix('v')?.parse::<u32>().ok()?;
+            bucket.strip_prefix('b')?.parse::<u32>().ok()?;
+            post.parse().ok()
+        }
+        _ => None,
+    }
 }
 
 pub fn fence_key(prefix: &str, group: &str, topic: &str, partition: usize) -> String {

@@ -1,0 +1,380 @@
+//! Read: a post's like count, summed over every key a writer may have used.
+//!
+//! Invariant: a read sums the base and every version listed in the post's
+//! route hash, read *before* its counters, so by [`crate::versions`] it never
+//! sums fewer keys than any writer uses; a read whose two steps take longer
+//! than [`READ_DEADLINE`] is started again.
+//!
+//! Round trips: one pipeline reads the route hash and the version-0 buckets
+//! of every post asked for; a second reads the buckets of other versions, for
+//! hot posts only. On a cluster each pipeline is split per node by the client
+//! and every command names one key, so no call spans slots. Counts of
+//! different keys are read at slightly different moments: a read is not a
+//! point-in-time snapshot of a post (nor of several), and a batch applying
+//! while it runs may be seen in some buckets and not yet in others. Every
+//! batch is applied atomically per slot group, and counts never go back
+//! unless unlikes do.
+//!
+//! A per-process cache keeps each count for `ttl` (default 1 s); concurrent
+//! misses of the same post wait for one fetch instead of each sending their own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use redis::RedisError;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::apply::{ConnectError, redact_url};
+use crate::routing::{CounterId, KeyLayout};
+use crate::slots::SlotGroups;
+use crate::store::{Shared, Target};
+use crate::versions::{PostMeta, READ_DEADLINE, Routes, wall_ms};
+
+/// Where counts live: the settings every command touching Redis shares with `tally run`.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Redis URL (as `tally run --redis`).
+    #[arg(long, env = "TALLY_REDIS", default_value = "redis://127.0.0.1:6379/")]
+    pub redis: String,
+    /// Key prefix (as `tally run --prefix`).
+    #[arg(long, env = "TALLY_PREFIX", default_value = crate::config::DEFAULT_PREFIX)]
+    pub prefix: String,
+    /// Buckets of a post without routing metadata (as `tally run --buckets`).
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
+    pub buckets: u32,
+    /// Slot groups on a cluster (as `tally run --slot-groups`).
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
+    pub slot_groups: u32,
+}
+
+impl StoreArgs {
+    /// Connects, and returns the store, the key layout and the routes.
+    pub async fn connect(&self) -> Result<(Shared, KeyLayout, Routes), ConnectError> {
+        let shown = redact_url(&self.redis);
+        let target = Target::parse(&self.redis).map_err(|problem| ConnectError::BadUrl {
+            url: shown.clone(),
+            problem,
+        })?;
+        if self.buckets == 0 || !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384 {
+            return Err(ConnectError::BadUrl {
+                url: shown,
+                problem:
+                    "--buckets must be at least 1 and --slot-groups a power of two up to 16384"
+                        .into(),
+            });
+        }
+        let groups = if target.is_cluster() {
+            SlotGroups::cluster(self.slot_groups)
+        } else {
+            SlotGroups::single()
+        };
+        let keys = KeyLayout::with_groups(&self.prefix, groups);
+        let unreachable = |source| ConnectError::Unreachable {
+            url: shown.clone(),
+            source,
+        };
+        let store = Shared::connect(&target).await.map_err(unreachable)?;
+        store
+            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
+            .await
+            .map_err(unreachable)?;
+        let routes = Routes::new(store.clone(), keys.clone(), self.buckets);
+        Ok((store, keys, routes))
+    }
+}
+
+/// A post's count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Count {
+    /// The post.
+    pub post_id: u64,
+    /// Likes minus unlikes.
+    pub likes: i64,
+    /// When the read began (milliseconds since the epoch): the count holds
+    /// every batch applied before then.
+    pub as_of_ms: i64,
+}
+
+/// Why a read failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReadError {
+    /// Redis failed or kept answering too slowly.
+    #[error("reading counts from Redis failed: {0}")]
+    Redis(String),
+}
+
+impl From<RedisError> for ReadError {
+    fn from(error: RedisError) -> Self {
+        ReadError::Redis(error.to_string())
+    }
+}
+
+type Pending = watch::Receiver<Option<Result<Count, ReadError>>>;
+
+/// Reads counts, with a per-process cache and coalesced misses. Cheap to clone.
+#[derive(Clone)]
+pub struct Reader {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Shared,
+    keys: KeyLayout,
+    default_buckets: u32,
+    ttl: Duration,
+    cache: Mutex<FxHashMap<u64, (Count, Instant)>>,
+    pending: Mutex<FxHashMap<u64, Pending>>,
+    fetches: AtomicU64,
+}
+
+/// Removes a leader's pending entries however its fetch ends, so followers
+/// of a cancelled fetch retry instead of waiting forever.
+struct Leading<'a> {
+    pending: &'a Mutex<FxHashMap<u64, Pending>>,
+    posts: Vec<u64>,
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for post in &self.posts {
+            pending.remove(post);
+        }
+    }
+}
+
+impl Reader {
+    /// A reader over `store`, caching counts for `ttl` (zero: no cache).
+    pub fn new(store: Shared, keys: KeyLayout, default_buckets: u32, ttl: Duration) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store,
+                keys,
+                default_buckets,
+                ttl,
+                cache: Mutex::new(FxHashMap::default()),
+                pending: Mutex::new(FxHashMap::default()),
+                fetches: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Fetches sent to Redis so far (each one or two pipelines, for any number of posts).
+    pub fn fetches(&self) -> u64 {
+        self.inner.fetches.load(Ordering::Relaxed)
+    }
+
+    /// One post's count.
+    pub async fn count(&self, post_id: u64) -> Result<Count, ReadError> {
+        Ok(self.counts(&[post_id]).await?[0])
+    }
+
+    /// Counts of several posts, in the order asked (repeats allowed).
+    pub async fn counts(&self, posts: &[u64]) -> Result<Vec<Count>, ReadError> {
+        let inner = &self.inner;
+        let mut found: FxHashMap<u64, Count> = FxHashMap::default();
+        loop {
+            let mut lead = Vec::new();
+            let mut follow = Vec::new();
+            let mut senders = Vec::new();
+            let (mut hits, mut misses) = (0, 0);
+            {
+                let cache = inner.cache.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pending = inner.pending.lock().unwrap_or_else(|e| e.into_inner());
+                for &post in posts {
+                    if found.contains_key(&post) {
+                        continue;
+                    }
+                    if let Some((count, at)) = cache.get(&post)
+                        && at.elapsed() < inner.ttl
+                    {
+                        found.insert(post, *count);
+                        hits += 1;
+                        continue;
+                    }
+                    misses += 1;
+                    match pending.get(&post) {
+                        Some(rx) => follow.push((post, rx.clone())),
+                        None => {
+                            let (tx, rx) = watch::channel(None);
+                            pending.insert(post, rx);
+                            senders.push((post, tx));
+                            lead.push(post);
+                        }
+                    }
+                }
+            }
+            crate::metrics::read_cache(hits, misses);
+            if !lead.is_empty() {
+                let _leading = Leading {
+                    pending: &inner.pending,
+                    posts: lead.clone(),
+                };
+                let result = self.fetch(&lead).await;
+                let mut cache = inner.cache.lock().unwrap_or_else(|e| e.into_inner());
+                if cache.len() > 100_000 {
+                    cache.retain(|_, (_, at)| at.elapsed() < inner.ttl);
+                }
+                for (i, (post, tx)) in senders.into_iter().enumerate() {
+                    let sent = match &result {
+                        Ok(counts) => {
+                            if !inner.ttl.is_zero() {
+                                cache.insert(post, (counts[i], Instant::now()));
+                            }
+                            found.insert(post, counts[i]);
+                            Ok(counts[i])
+                        }
+                        Err(error) => Err(error.clone()),
+                    };
+                    let _ = tx.send(Some(sent));
+                }
+                result?;
+            }
+            for (post, mut rx) in follow {
+                let outcome = rx.wait_for(Option::is_some).await.map(|v| v.clone());
+                match outcome {
+                    Ok(Some(Ok(count))) => {
+                        found.insert(post, count);
+                    }
+                    Ok(Some(Err(error))) => return Err(error),
+                    // The leader gave up without an answer: ask again.
+                    Ok(None) | Err(_) => {}
+                }
+            }
+            if posts.iter().all(|p| found.contains_key(p)) {
+                return Ok(posts.iter().map(|p| found[p]).collect());
+            }
+        }
+    }
+
+    /// Reads the counts of distinct posts from Redis, within the deadline.
+    async fn fetch(&self, posts: &[u64]) -> Result<Vec<Count>, ReadError> {
+        let mut last_error = None;
+        for _ in 0..3 {
+            self.inner.fetches.fetch_add(1, Ordering::Relaxed);
+            match tokio::time::timeout(READ_DEADLINE, self.fetch_once(posts)).await {
+                Ok(Ok(counts)) => return Ok(counts),
+                Ok(Err(error)) => last_error = Some(ReadError::from(error)),
+                Err(_) => last_error = Some(ReadError::Redis("read deadline passed".into())),
+            }
+        }
+        Err(last_error.expect("at least one attempt"))
+    }
+
+    async fn fetch_once(&self, posts: &[u64]) -> Result<Vec<Count>, RedisError> {
+        let inner = &self.inner;
+        let as_of_ms = wall_ms();
+        let default = PostMeta::from_fields(&[], inner.default_buckets);
+        let first: Vec<String> = posts
+            .iter()
+            .flat_map(|&p| default.keys(&inner.keys, p))
+            .collect();
+        let routes: Vec<String> = posts.iter().map(|&p| inner.keys.route_key(p)).collect();
+        let (metas, values) = inner
+            .store
+            .call(|mut s| {
+                let mut pipe = redis::pipe();
+                for key in &routes {
+                    pipe.hgetall(key);
+                }
+                for key in &first {
+                    pipe.get(key);
+                }
+                async move {
+                    let mut replies: Vec<redis::Value> = pipe.query_async(&mut s).await?;
+                    let values = replies.split_off(routes.len());
+                    let metas: Vec<Vec<(String, String)>> = replies
+                        .into_iter()
+                        .map(redis::from_redis_value)
+                        .collect::<Result<_, _>>()?;
+                    let values: Vec<Option<i64>> = values
+                        .into_iter()
+                        .map(redis::from_redis_value)
+                        .collect::<Result<_, _>>()?;
+                    Ok((metas, values))
+                }
+            })
+            .await?;
+        let per_post = inner.default_buckets as usize;
+        let mut counts = Vec::with_capacity(posts.len());
+        let mut extra: Vec<(usize, String)> = Vec::new();
+        for (i, (&post_id, fields)) in posts.iter().zip(&metas).enumerate() {
+            let meta = PostMeta::from_fields(fields, inner.default_buckets);
+            let routed_default = meta.versions.first() == Some(&(0, inner.default_buckets));
+            let mut likes = meta.base;
+            if routed_default {
+                likes += values[i * per_post..(i + 1) * per_post]
+                    .iter()
+                    .flatten()
+                    .sum::<i64>();
+            }
+            for &(version, buckets) in &meta.versions {
+                if version == 0 && routed_default {
+                    continue;
+                }
+                for bucket in 0..buckets {
+                    let id = CounterId {
+                        post_id,
+                        version,
+                        bucket,
+                    };
+                    extra.push((i, inner.keys.key_of(id)));
+                }
+            }
+            counts.push(Count {
+                post_id,
+                likes,
+                as_of_ms,
+            });
+        }
+        if !extra.is_empty() {
+            let values: Vec<Option<i64>> = inner
+                .store
+                .call(|mut s| {
+                    let mut pipe = redis::pipe();
+                    for (_, key) in &extra {
+                        pipe.get(key);
+                    }
+                    async move { pipe.query_async(&mut s).await }
+                })
+                .await?;
+            for ((i, _), value) in extra.iter().zip(values) {
+                counts[*i].likes += value.unwrap_or(0);
+            }
+        }
+        Ok(counts)
+    }
+}
+
+/// Settings of `tally count`.
+#[derive(Debug, Clone, Args)]
+pub struct CountArgs {
+    /// Posts to count.
+    #[arg(required = true)]
+    pub post_ids: Vec<u64>,
+    /// Print JSON (one object per post, in a list) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the counts are.
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// Runs `tally count`: the counts as a table or as JSON.
+pub async fn count_command(args: &CountArgs) -> anyhow::Result<String> {
+    let (store, keys, _) = args.store.connect().await?;
+    let reader = Reader::new(store, keys, args.store.buckets, Duration::ZERO);
+    let counts = reader.counts(&args.post_ids).await?;
+    if args.json {
+        return Ok(serde_json::to_string_pretty(&counts)? + "\n");
+    }
+    let mut out = format!("{:>20}  {:>14}\n", "post", "likes");
+    for count in counts {
+        out.push_str(&format!("{:>20}  {:>14}\n", count.post_id, count.likes));
+    }
+    Ok(out)
+}
