@@ -170,18 +170,8 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         topic: topic.clone(),
         group: "tally-demo".into(),
         redis: redis_url.clone(),
-        slot_groups: 128,
-        test_script_pause_ms: 0,
         buckets: config.buckets,
-        prefix: "tally".into(),
-        dead_letter_topic: None,
-        batch_max_events: 100_000,
-        batch_max_keys: 10_000,
-        flush_interval_ms: 100,
-        max_in_flight: 8,
-        shutdown_timeout_secs: 10,
-        metrics_addr: None,
-        kafka_config: Vec::new(),
+        ..RunConfig::default()
     };
     let stats = Arc::new(Stats::default());
     let shutdown = CancellationToken::new();

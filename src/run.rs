@@ -236,17 +236,18 @@ pub async fn run(
     let consumer = consume::create_consumer(
         &config.brokers,
         &config.group,
-        &config.kafka_config,
+        &config.kafka_settings(),
         TallyContext::new(&config.topic, fences),
     )?;
     let partitions = consume::check_topic(&consumer, &config.brokers, &config.topic, "topic")?;
     let dead_letters = match &config.dead_letter_topic {
         Some(topic) => {
             consume::check_topic(&consumer, &config.brokers, topic, "dead-letter-topic")?;
-            let producer: FutureProducer = consume::client_config(&config.brokers, &[])
-                .set("enable.idempotence", "true")
-                .set("linger.ms", "5")
-                .create()?;
+            let producer: FutureProducer =
+                consume::client_config(&config.brokers, &config.kafka_security())
+                    .set("enable.idempotence", "true")
+                    .set("linger.ms", "5")
+                    .create()?;
             Some(Arc::new(DeadLetters::new(producer, topic, &config.topic)))
         }
         None => None,
