@@ -18,7 +18,7 @@ mod layers;
 mod secrets;
 mod show;
 
-pub use layers::load;
+pub use layers::{load, parse_file};
 pub use show::{print, settings_table};
 
 /// Default number of buckets per post.
