@@ -30,6 +30,33 @@ ensure_redis() {
     say "installed $(redis-server --version)"
 }
 
+# Installs what building tally needs beyond Rust: librdkafka is compiled with TLS and SCRAM
+# support (rdkafka's `ssl` feature), which links the system's OpenSSL, found with pkg-config.
+ensure_build_deps() {
+    local missing=()
+    command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+    if ! pkg-config --exists openssl 2>/dev/null; then
+        missing+=(libssl-dev)
+    fi
+    if [ "${#missing[@]}" -eq 0 ]; then
+        return
+    fi
+    say "building librdkafka with TLS needs ${missing[*]}: installing with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# Installs Debian's docker-compose (the deploy test checks docker-compose.yml with
+# `docker-compose config`; no container engine is needed for that).
+ensure_compose() {
+    if command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1; then
+        return
+    fi
+    say "docker-compose not found: installing Debian's docker-compose with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+}
+
 # Path of the tansu binary, or nothing.
 tansu_path() {
     if [ -x "$HOME/.cargo/bin/tansu" ]; then

@@ -146,7 +146,20 @@ impl TallyContext {
     }
 }
 
-impl ClientContext for TallyContext {}
+impl ClientContext for TallyContext {
+    /// librdkafka's statistics (every `statistics.interval.ms`): per owned
+    /// partition, the messages between the high watermark and the last
+    /// commit, which tally makes only after a batch is applied.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        for topic in statistics.topics.values() {
+            for (&partition, p) in &topic.partitions {
+                if partition >= 0 && p.desired && p.consumer_lag >= 0 {
+                    crate::metrics::consumer_lag(partition, p.consumer_lag);
+                }
+            }
+        }
+    }
+}
 
 impl ConsumerContext for TallyContext {
     fn rebalance(
@@ -204,6 +217,7 @@ pub fn create_consumer(
         // An idle fetch waits at most this long; the default (500 ms) shows up
         // directly as produce-to-visible latency on brokers that hold fetches.
         .set("fetch.wait.max.ms", "100")
+        .set("statistics.interval.ms", "5000")
         .set("client.id", "tally");
     for (key, value) in extra {
         config.set(key, value);

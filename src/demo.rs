@@ -161,21 +161,8 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         topic: topic.clone(),
         group: "tally-demo".into(),
         redis: redis_url.clone(),
-        slot_groups: 128,
-        test_script_pause_ms: 0,
         buckets: config.buckets,
-        promote_above: 300,
-        hot_buckets: 64,
-        route_refresh_ms: 1_000,
-        prefix: "tally".into(),
-        dead_letter_topic: None,
-        batch_max_events: 100_000,
-        batch_max_keys: 10_000,
-        flush_interval_ms: 100,
-        max_in_flight: 8,
-        shutdown_timeout_secs: 10,
-        metrics_addr: None,
-        kafka_config: Vec::new(),
+        ..RunConfig::default()
     };
     let stats = Arc::new(Stats::default());
     let shutdown = CancellationToken::new();
@@ -185,8 +172,8 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
 
     let keys = KeyLayout::new("tally");
     let mut conn = redis::Client::open(redis_url.as_str())?.get_connection()?;
-    let store = crate::store::Shared::connect(&crate::store::Target::Single(redis_url.clone()))
-        .await?;
+    let store =
+        crate::store::Shared::connect(&crate::store::Target::Single(redis_url.clone())).await?;
     let reader = crate::read::Reader::new(store, keys.clone(), config.buckets, Duration::ZERO);
     let started = Instant::now();
     let mut every = tokio::time::interval(Duration::from_secs(1));

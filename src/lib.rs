@@ -29,8 +29,11 @@
 //! * [`store`]: connections to one Redis server or a cluster.
 //! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
 //! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
-//! * [`config`], [`metrics`], [`retry`]: settings, metric names, backoff and
-//!   error classification.
+//! * [`config`], [`metrics`], [`retry`]: settings (flags, variables and a
+//!   file), metric names, backoff and error classification.
+//! * [`security`]: TLS and SASL for Kafka, AUTH and TLS for Redis; secrets redacted.
+//! * [`health`], [`http`]: readiness state and its checks; the listener
+//!   serving `/metrics`, `/healthz` and `/readyz`.
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
 //! * [`inspect`]: where a post's bucket keys live, per slot and primary.
@@ -49,7 +52,9 @@ pub mod decode;
 pub mod demo;
 pub mod fence;
 pub mod generate;
+pub mod health;
 pub mod hot;
+pub mod http;
 pub mod inspect;
 pub mod local;
 pub mod metrics;
@@ -60,6 +65,7 @@ pub mod read;
 pub mod retry;
 pub mod routing;
 pub mod run;
+pub mod security;
 pub mod serve;
 pub mod slots;
 pub mod store;

@@ -1,13 +1,17 @@
-//! Metrics: every name tally exports, in one place.
+//! Metrics: every name tally exports, in one place ([`ALL`]).
 //!
 //! Invariant: metrics are recorded per batch, never per event in the hot loop,
-//! and no label carries a post or user id (unbounded cardinality). The same
-//! figures are kept in [`Stats`] for the live demo display.
+//! and no label carries a post or user id (unbounded cardinality; a partition
+//! number is bounded by the topic). Dashboards and alerts may only name
+//! metrics listed in [`ALL`] (a test holds `deploy/` to it). The same figures
+//! are kept in [`Stats`] for the live demo display.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::decode::BadReason;
 use crate::fence::Decision;
@@ -41,23 +45,146 @@ pub const RESYNCS: &str = "tally_resyncs_total";
 pub const ASSIGNED_PARTITIONS: &str = "tally_assigned_partitions";
 /// Kafka offset commits that failed (harmless: the fence is the truth).
 pub const COMMIT_FAILURES: &str = "tally_commit_failures_total";
-
 /// Routing versions published, by `trigger` (`auto` from hot-post detection,
-/// `manual` from `tally promote` and `tally demote` when they run inside a
-/// process that exports metrics).
+/// `manual` from `tally promote` and `tally demote`).
 pub const PROMOTIONS: &str = "tally_promotions_total";
+/// Count reads answered from the read cache.
+pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
+/// Count reads that had to sum the buckets in Redis.
+pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
+/// Messages between a partition's last applied offset and its high
+/// watermark, by `partition`.
+pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
+/// Last Kafka offset applied to Redis (the fence), by `partition`.
+pub const APPLIED_OFFSET: &str = "tally_applied_offset";
+/// Consumer group rebalances this consumer took part in.
+pub const REBALANCES: &str = "tally_rebalances_total";
+
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
 /// Pauses taken before routing an event stamped ahead of the registry clock,
 /// or while the registry view was too old for it.
 pub const ROUTE_WAITS: &str = "tally_route_waits_total";
-/// Counts served from the reader's cache.
-pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
-/// Counts the reader had to fetch (a miss that joined another's fetch included).
-pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
 
-/// Registers every series at zero so dashboards see them before the first event.
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution, exported as `_bucket`, `_sum` and `_count` series.
+    Histogram,
+}
+
+/// Every metric tally exports: name, kind and help text (the `# HELP` line).
+pub const ALL: &[(&str, Kind, &str)] = &[
+    (EVENTS, Kind::Counter, "Good like events applied."),
+    (
+        BAD_MESSAGES,
+        Kind::Counter,
+        "Bad messages skipped, by reason.",
+    ),
+    (
+        DEAD_LETTERS,
+        Kind::Counter,
+        "Bad messages copied to the dead-letter topic.",
+    ),
+    (
+        BATCHES,
+        Kind::Counter,
+        "Batches finished, by outcome (applied, resync).",
+    ),
+    (
+        SCRIPTS,
+        Kind::Counter,
+        "Lua script replies, by outcome (applied, duplicate, straddle, gap).",
+    ),
+    (SCRIPT_KEYS, Kind::Histogram, "Counter keys per script."),
+    (
+        INCREMENTS,
+        Kind::Counter,
+        "Counter increments made by applied batches.",
+    ),
+    (
+        APPLY_SECONDS,
+        Kind::Histogram,
+        "Batch apply latency in seconds, retries included.",
+    ),
+    (BATCH_MESSAGES, Kind::Histogram, "Messages per batch."),
+    (REDIS_RETRIES, Kind::Counter, "Redis errors retried."),
+    (
+        SCRIPT_RELOADS,
+        Kind::Counter,
+        "Lua script reloads after NOSCRIPT.",
+    ),
+    (
+        RESYNCS,
+        Kind::Counter,
+        "Seeks back to a fence after a straddle or a gap.",
+    ),
+    (
+        ASSIGNED_PARTITIONS,
+        Kind::Gauge,
+        "Partitions assigned to this consumer.",
+    ),
+    (
+        COMMIT_FAILURES,
+        Kind::Counter,
+        "Failed Kafka offset commits (harmless: the fence is the truth).",
+    ),
+    (
+        PROMOTIONS,
+        Kind::Counter,
+        "Routing versions published, by trigger (auto, manual).",
+    ),
+    (
+        READ_CACHE_HITS,
+        Kind::Counter,
+        "Count reads answered from the read cache.",
+    ),
+    (
+        READ_CACHE_MISSES,
+        Kind::Counter,
+        "Count reads that summed the buckets in Redis.",
+    ),
+    (
+        CONSUMER_LAG,
+        Kind::Gauge,
+        "Messages not yet applied, by partition.",
+    ),
+    (
+        APPLIED_OFFSET,
+        Kind::Gauge,
+        "Last Kafka offset applied to Redis, by partition.",
+    ),
+    (
+        REBALANCES,
+        Kind::Counter,
+        "Consumer group rebalances this consumer took part in.",
+    ),
+    (
+        ROUTED_POSTS,
+        Kind::Gauge,
+        "Posts with routing metadata in this consumer's view of the registry.",
+    ),
+    (
+        ROUTE_WAITS,
+        Kind::Counter,
+        "Pauses before routing an event stamped ahead of the registry clock.",
+    ),
+];
+
+/// Describes every metric and registers every unlabelled (or fixed-label)
+/// series at zero, so dashboards see them before the first event.
 pub fn describe() {
+    for &(name, kind, help) in ALL {
+        match kind {
+            Kind::Counter => describe_counter!(name, help),
+            Kind::Gauge => describe_gauge!(name, help),
+            Kind::Histogram => describe_histogram!(name, help),
+        }
+    }
     for reason in BadReason::ALL {
         counter!(BAD_MESSAGES, "reason" => reason.as_str()).absolute(0);
     }
@@ -78,6 +205,7 @@ pub fn describe() {
         ROUTE_WAITS,
         READ_CACHE_HITS,
         READ_CACHE_MISSES,
+        REBALANCES,
     ] {
         counter!(name).absolute(0);
     }
@@ -170,9 +298,26 @@ pub fn resynced() {
     counter!(RESYNCS).increment(1);
 }
 
-/// Records the number of assigned partitions.
+/// Records the number of assigned partitions; an assignment, even an empty
+/// one, also tells readiness the consumer has joined its group.
 pub fn assigned(partitions: usize) {
     gauge!(ASSIGNED_PARTITIONS).set(partitions as f64);
+    crate::health::assigned(partitions);
+}
+
+/// Records a partition's lag (high watermark minus the next offset to apply).
+pub fn consumer_lag(partition: i32, messages: i64) {
+    gauge!(CONSUMER_LAG, "partition" => partition.to_string()).set(messages.max(0) as f64);
+}
+
+/// Records the last offset applied for a partition.
+pub fn applied_offset(partition: i32, offset: i64) {
+    gauge!(APPLIED_OFFSET, "partition" => partition.to_string()).set(offset as f64);
+}
+
+/// Records a rebalance this consumer took part in.
+pub fn rebalanced() {
+    counter!(REBALANCES).increment(1);
 }
 
 /// Records a failed offset commit.
@@ -209,28 +354,45 @@ pub fn read_cache(hits: u64, misses: u64) {
     }
 }
 
-/// Serves Prometheus metrics at `http://<addr>/metrics`.
-pub fn serve(addr: std::net::SocketAddr) -> Result<(), String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets_for_metric(
-            metrics_exporter_prometheus::Matcher::Full(APPLY_SECONDS.to_string()),
+/// Installs the Prometheus recorder (histogram buckets chosen per metric)
+/// and returns the handle that renders `/metrics`.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in [
+        (
+            APPLY_SECONDS,
             &[
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
-            ],
-        )
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Full(BATCH_MESSAGES.to_string()),
-                &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6],
-            )
-        })
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Full(SCRIPT_KEYS.to_string()),
-                &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4],
-            )
-        })
-        .and_then(|b| b.install())
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e} (fix --metrics-addr)"))
+            ][..],
+        ),
+        (BATCH_MESSAGES, &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6][..]),
+        (SCRIPT_KEYS, &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4][..]),
+    ] {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)
+            .map_err(|e| format!("metric buckets: {e}"))?;
+    }
+    builder
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut seen = std::collections::HashSet::new();
+        for &(name, kind, help) in ALL {
+            assert!(seen.insert(name), "{name} listed twice");
+            assert!(name.starts_with("tally_"), "{name}");
+            assert!(!help.is_empty(), "{name}");
+            assert_eq!(
+                kind == Kind::Counter,
+                name.ends_with("_total"),
+                "{name}: counters, and only counters, end in _total"
+            );
+        }
+    }
 }

@@ -249,17 +249,18 @@ pub async fn run(
     let consumer = consume::create_consumer(
         &config.brokers,
         &config.group,
-        &config.kafka_config,
+        &config.kafka_settings(),
         TallyContext::new(&config.topic, fences),
     )?;
     let partitions = consume::check_topic(&consumer, &config.brokers, &config.topic, "topic")?;
     let dead_letters = match &config.dead_letter_topic {
         Some(topic) => {
             consume::check_topic(&consumer, &config.brokers, topic, "dead-letter-topic")?;
-            let producer: FutureProducer = consume::client_config(&config.brokers, &[])
-                .set("enable.idempotence", "true")
-                .set("linger.ms", "5")
-                .create()?;
+            let producer: FutureProducer =
+                consume::client_config(&config.brokers, &config.kafka_security())
+                    .set("enable.idempotence", "true")
+                    .set("linger.ms", "5")
+                    .create()?;
             Some(Arc::new(DeadLetters::new(producer, topic, &config.topic)))
         }
         None => None,
@@ -414,6 +415,7 @@ impl Pipeline {
         for change in changes {
             match change {
                 Rebalanced::Assigned(assignments) => {
+                    metrics::rebalanced();
                     for a in assignments {
                         *epochs += 1;
                         let known = a.fences.as_ref().and_then(PartitionFences::tracker);
@@ -437,13 +439,16 @@ impl Pipeline {
                     for p in partitions {
                         owned.remove(&p);
                         committer.forget(p);
+                        metrics::consumer_lag(p, 0);
                     }
                 }
                 Rebalanced::Lost => {
                     for p in owned.keys().copied().collect::<Vec<_>>() {
                         committer.forget(p);
+                        metrics::consumer_lag(p, 0);
                     }
                     owned.clear();
+                    crate::health::unassigned();
                 }
             }
             metrics::assigned(owned.len());
@@ -746,6 +751,7 @@ impl Pipeline {
         if continues {
             if !probe {
                 self.committer.applied(&self.consumer, partition, done.last);
+                metrics::applied_offset(partition, done.last);
             }
             return Ok(());
         }

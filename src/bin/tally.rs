@@ -4,7 +4,7 @@ use std::io::IsTerminal as _;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use tally::config::RunConfig;
@@ -22,6 +22,9 @@ struct Cli {
 enum Command {
     /// Consume like events and apply them to Redis, exactly once.
     Run(Box<RunConfig>),
+    /// Show the settings `tally run` would use.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Start a private broker, redis-server and traffic generator, and count live.
     Demo(tally::demo::DemoConfig),
     /// Produce synthetic like traffic into a topic, and the exact count every post should reach.
@@ -45,9 +48,18 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the effective settings (flags > TALLY_* variables > --config file > defaults)
+    /// as a file --config accepts, secrets masked; problems go to stderr.
+    Print(Box<RunConfig>),
+}
+
+#[derive(Subcommand)]
 enum Docs {
     /// The stable hash's test vectors, as the README's markdown table.
     HashVectors,
+    /// Every setting of `tally run`, as the README's markdown table.
+    Config,
 }
 
 #[derive(Subcommand)]
@@ -57,7 +69,14 @@ enum Inspect {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // The settings of `run` and `config print` also come from variables and a file.
+    let run_matches = match matches.subcommand() {
+        Some(("run", m)) => Some(m),
+        Some(("config", m)) => m.subcommand_matches("print"),
+        _ => None,
+    };
     // The demo draws a table on stdout; keep its log to what needs attention.
     let default_filter = match cli.command {
         Command::Demo(_)
@@ -67,7 +86,8 @@ fn main() -> ExitCode {
         | Command::Docs(_)
         | Command::Count(_)
         | Command::Promote(_)
-        | Command::Demote(_) => "warn",
+        | Command::Demote(_)
+        | Command::Config(_) => "warn",
         Command::Run(_) | Command::Serve(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -78,6 +98,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    // Redis TLS (rediss://) uses rustls with the ring provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -87,15 +109,27 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async move {
         match cli.command {
-            Command::Run(config) => {
-                if let Some(addr) = config.metrics_addr {
-                    tally::metrics::serve(addr)?;
-                }
+            Command::Run(_) => {
+                let config = settings(run_matches.expect("run has settings"))?;
                 let shutdown = CancellationToken::new();
                 tokio::spawn(on_signal(shutdown.clone()));
-                tally::run::run(*config, Arc::new(Stats::default()), shutdown)
+                if let Some(addr) = config.metrics_addr {
+                    let metrics = tally::metrics::install()?;
+                    tally::http::serve(addr, metrics).await?;
+                    tally::health::spawn_probes(&config, shutdown.clone());
+                }
+                tally::run::run(config, Arc::new(Stats::default()), shutdown)
                     .await
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| tally::security::error_line(&e))
+            }
+            Command::Config(ConfigCommand::Print(_)) => {
+                let loaded = tally::config::load(run_matches.expect("print has settings"));
+                let config = loaded.map_err(|problems| lines(&problems))?;
+                print!("{}", tally::config::print(&config));
+                match config.problems() {
+                    problems if problems.is_empty() => Ok(()),
+                    problems => Err(lines(&problems)),
+                }
             }
             Command::Demo(config) => tally::demo::demo(config)
                 .await
@@ -108,6 +142,10 @@ fn main() -> ExitCode {
                 .map_err(|e| format!("{e:#}")),
             Command::Docs(Docs::HashVectors) => {
                 print!("{}", tally::routing::hash_vectors_table());
+                Ok(())
+            }
+            Command::Docs(Docs::Config) => {
+                print!("{}", tally::config::settings_table());
                 Ok(())
             }
             Command::Inspect(Inspect::Post(args)) => tally::inspect::inspect_post(&args)
@@ -145,6 +183,25 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The settings of `tally run`: flags, variables and file, checked, with
+/// their secrets read.
+fn settings(matches: &clap::ArgMatches) -> Result<RunConfig, String> {
+    let config = tally::config::load(matches).map_err(|problems| lines(&problems))?;
+    let problems = config.problems();
+    if !problems.is_empty() {
+        return Err(lines(&problems));
+    }
+    config
+        .resolve_secrets()
+        .map_err(|problem| problem.to_string())
+}
+
+/// One problem per line; `main` prefixes the first with "error: ".
+fn lines<T: ToString>(problems: &[T]) -> String {
+    let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    lines.join("\nerror: ")
 }
 
 /// Cancels `shutdown` on SIGINT or SIGTERM.

@@ -6,6 +6,15 @@ use std::time::Duration;
 
 /// GET /metrics from `addr` ("127.0.0.1:PORT") and return the body.
 pub fn try_scrape_metrics(addr: &str) -> std::io::Result<String> {
+    let (status, body) = http_get(addr, "/metrics")?;
+    if status != 200 {
+        return Err(std::io::Error::other(format!("metrics answered {status}")));
+    }
+    Ok(body)
+}
+
+/// GET `path` from `addr` ("127.0.0.1:PORT"): the status code and the body.
+pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
     let sock = addr
         .to_socket_addrs()?
         .next()
@@ -14,7 +23,7 @@ pub fn try_scrape_metrics(addr: &str) -> std::io::Result<String> {
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         stream,
-        "GET /metrics HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
@@ -22,20 +31,21 @@ pub fn try_scrape_metrics(addr: &str) -> std::io::Result<String> {
     let (head, body) = text
         .split_once("\r\n\r\n")
         .ok_or_else(|| std::io::Error::other("malformed HTTP response"))?;
-    let status = head.lines().next().unwrap_or_default();
-    if !status.contains(" 200") {
-        return Err(std::io::Error::other(format!(
-            "metrics answered {status:?}"
-        )));
-    }
+    let status_line = head.lines().next().unwrap_or_default();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line {status_line:?}")))?;
     let chunked = head
         .lines()
         .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding:") && l.contains("chunked"));
-    Ok(if chunked {
+    let body = if chunked {
         dechunk(body)
     } else {
         body.to_string()
-    })
+    };
+    Ok((status, body))
 }
 
 fn dechunk(mut body: &str) -> String {

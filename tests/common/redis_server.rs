@@ -18,6 +18,8 @@ pub const REDIS_INSTALL: &str = "apt-get update && apt-get install -y redis-serv
 pub struct RedisServer {
     port: u16,
     aof: bool,
+    /// An ACL user and password every connection must give (the default user is off).
+    acl: Option<(String, String)>,
     dir: TempDir,
     proc: Option<Guarded>,
     starts: u32,
@@ -42,12 +44,23 @@ impl RedisServer {
         Self::start_inner(true)
     }
 
+    /// With the default user off and one ACL user allowed everything; `url()` carries its
+    /// credentials.
+    pub fn start_with_acl(user: &str, password: &str) -> RedisServer {
+        Self::start_full(false, Some((user.to_string(), password.to_string())))
+    }
+
     fn start_inner(aof: bool) -> RedisServer {
+        Self::start_full(aof, None)
+    }
+
+    fn start_full(aof: bool, acl: Option<(String, String)>) -> RedisServer {
         let bin = redis_server_bin();
         let dir = log_dir("redis-");
         let mut server = RedisServer {
             port: 0,
             aof,
+            acl,
             dir,
             proc: None,
             starts: 0,
@@ -79,6 +92,11 @@ impl RedisServer {
             cmd.args(["--appendonly", "yes", "--appendfsync", "everysec"]);
         } else {
             cmd.args(["--appendonly", "no"]);
+        }
+        if let Some((user, password)) = &self.acl {
+            cmd.args(["--user", "default", "off", "--user", user, "on"])
+                .arg(format!(">{password}"))
+                .args(["~*", "&*", "+@all"]);
         }
         let mut proc = Guarded::spawn(cmd.stdout(out.try_clone().unwrap()).stderr(out))
             .expect("spawn redis-server");
@@ -120,7 +138,10 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        match &self.acl {
+            Some((user, password)) => format!("redis://{user}:{password}@127.0.0.1:{}/", self.port),
+            None => format!("redis://127.0.0.1:{}/", self.port),
+        }
     }
 
     pub fn port(&self) -> u16 {

@@ -1,0 +1,133 @@
+//! Operations: a running `tally` answers `/healthz`, `/readyz` and `/metrics`
+//! while it counts into a Redis that requires an ACL user (password from a
+//! file), readiness follows Redis going away, and a wrong password stops the
+//! process with exactly one clear line and exit code 1, without the secret.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const PARTITIONS: i32 = 2;
+const EVENTS: usize = 2_000;
+
+fn tally_bin() -> PathBuf {
+    std::env::var_os("TALLY_TEST_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")))
+}
+
+/// GET `path` until `accept` takes the answer.
+fn wait_http(
+    tally: &mut Tally,
+    addr: &str,
+    path: &str,
+    what: &str,
+    accept: impl Fn(u16, &str) -> bool,
+) -> String {
+    wait_for(what, Duration::from_secs(60), || {
+        tally.assert_running();
+        match http_get(addr, path) {
+            Ok((status, body)) if accept(status, &body) => Some(body),
+            _ => None,
+        }
+    })
+}
+
+#[test]
+fn endpoints_answer_while_counting_into_an_acl_redis() {
+    let run = Scenario::new("e2e_ops", "ops", PARTITIONS);
+    let mut redis = RedisServer::start_with_acl("alice", "s3cret-pw");
+    let secrets = tempfile::tempdir().unwrap();
+    let password_file = secrets.path().join("redis-password");
+    std::fs::write(&password_file, "s3cret-pw\n").unwrap();
+
+    let http = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&format!("redis://alice@127.0.0.1:{}/", redis.port()));
+    args.extend([
+        "--redis-password-file".to_string(),
+        password_file.display().to_string(),
+        "--metrics-addr".to_string(),
+        http.clone(),
+    ]);
+    let mut tally = Tally::spawn_args("tally", &args);
+
+    let alive = wait_http(&mut tally, &http, "/healthz", "/healthz 200", |s, _| {
+        s == 200
+    });
+    assert_eq!(alive, "ok\n");
+    let ready = wait_http(&mut tally, &http, "/readyz", "/readyz 200", |s, _| s == 200);
+    for line in ["ok partitions: 2 assigned", "ok redis:", "ok broker:"] {
+        assert!(ready.contains(line), "/readyz lacks {line:?}:\n{ready}");
+    }
+    assert_eq!(http_get(&http, "/nothing-here").unwrap().0, 404);
+
+    let w = Workload::generate(run.seed, EVENTS, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let hwms = run.hwms(EVENTS);
+    let mut conn = redis.conn();
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(60), || {
+        tally.assert_running()
+    });
+    run.assert_exact(&mut conn, &w.truth);
+
+    // Every metric tally exports is there, except the per-partition gauges,
+    // which appear once a partition reports them.
+    let text = scrape_metrics(&http);
+    let per_partition = [tally::metrics::CONSUMER_LAG, tally::metrics::APPLIED_OFFSET];
+    for &(name, _, _) in tally::metrics::ALL {
+        if per_partition.contains(&name) {
+            continue;
+        }
+        let shown = text.lines().any(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with([' ', '{', '_']))
+        });
+        assert!(shown, "/metrics lacks {name}:\n{text}");
+    }
+    assert_eq!(
+        metric_value(&text, tally::metrics::EVENTS),
+        Some(EVENTS as f64)
+    );
+    assert!(text.contains("# HELP tally_events_total"), "{text}");
+
+    // Readiness follows Redis; liveness does not.
+    redis.kill();
+    let not_ready = wait_http(&mut tally, &http, "/readyz", "/readyz 503", |s, _| s == 503);
+    assert!(not_ready.contains("FAIL redis"), "{not_ready}");
+    assert_eq!(http_get(&http, "/healthz").unwrap().0, 200);
+    assert!(
+        !tally.log_text().contains("s3cret-pw"),
+        "the password reached the log"
+    );
+}
+
+#[test]
+fn a_wrong_redis_password_is_one_line_and_exit_code_1() {
+    let redis = RedisServer::start_with_acl("alice", "s3cret-pw");
+    let output = Command::new(tally_bin())
+        .args(["run", "--brokers", "127.0.0.1:9", "--redis"])
+        .arg(format!(
+            "redis://alice:not-the-pw@127.0.0.1:{}/",
+            redis.port()
+        ))
+        .env_remove("TALLY_LOG")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run tally");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(output.status.code(), Some(1), "stderr:\n{stderr}");
+    assert_eq!(lines.len(), 1, "expected one line, got:\n{stderr}");
+    assert!(
+        lines[0].starts_with("error: Redis at redis://")
+            && lines[0].contains("refused the credentials"),
+        "{}",
+        lines[0]
+    );
+    assert!(!stderr.contains("not-the-pw"), "the password was printed");
+    assert!(output.stdout.is_empty());
+}
