@@ -4,16 +4,16 @@
 //! For each bucket key of a post: its hash slot, the primary that owns the
 //! slot now, and its value. Per primary: how many buckets it holds against
 //! the Binomial(N, 1/M) expectation (mean N/M, σ = sqrt(N·(1/M)·(1−1/M))),
-//! flagging primaries above mean + 2σ. A single server is one primary that
-//! holds everything.
+//! flagging primaries above mean + 2σ (the maths and the slot map are in
+//! [`crate::placement`]). A single server is one primary that holds everything.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 
+use crate::placement::{SlotMap, binomial};
 use crate::routing::KeyLayout;
 use crate::slots::{SlotGroups, key_slot};
 use crate::store::{Target, connect_blocking};
@@ -37,68 +37,6 @@ pub struct InspectPost {
     pub slot_groups: u32,
 }
 
-/// Per primary: buckets held, expected mean, standard deviation.
-pub fn binomial(buckets: u32, primaries: usize) -> (f64, f64) {
-    let n = f64::from(buckets);
-    let p = 1.0 / primaries.max(1) as f64;
-    (n * p, (n * p * (1.0 - p)).sqrt())
-}
-
-/// Owner of each slot range: (first, last, "host:port").
-fn slot_owners(target: &Target) -> Result<Vec<(u16, u16, String)>> {
-    match target {
-        Target::Single(url) => {
-            let host = url
-                .split("://")
-                .nth(1)
-                .unwrap_or(url)
-                .rsplit('@')
-                .next()
-                .unwrap_or(url);
-            Ok(vec![(
-                0,
-                crate::slots::SLOTS - 1,
-                host.trim_end_matches('/')
-                    .split('/')
-                    .next()
-                    .unwrap_or(host)
-                    .to_string(),
-            )])
-        }
-        Target::Cluster(nodes) => {
-            for node in nodes {
-                let Ok(client) = redis::Client::open(node.as_str()) else {
-                    continue;
-                };
-                let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2))
-                else {
-                    continue;
-                };
-                let slots: Vec<redis::Value> =
-                    redis::cmd("CLUSTER").arg("SLOTS").query(&mut conn)?;
-                let mut owners = Vec::new();
-                for range in slots {
-                    let redis::Value::Array(fields) = range else {
-                        continue;
-                    };
-                    let (Some(start), Some(end), Some(redis::Value::Array(primary))) =
-                        (fields.first(), fields.get(1), fields.get(2))
-                    else {
-                        continue;
-                    };
-                    let start: i64 = redis::from_redis_value_ref(start)?;
-                    let end: i64 = redis::from_redis_value_ref(end)?;
-                    let host: String = redis::from_redis_value_ref(&primary[0])?;
-                    let port: i64 = redis::from_redis_value_ref(&primary[1])?;
-                    owners.push((start as u16, end as u16, format!("{host}:{port}")));
-                }
-                return Ok(owners);
-            }
-            bail!("no cluster node answered")
-        }
-    }
-}
-
 /// Renders the report for one post.
 pub fn inspect_post(args: &InspectPost) -> Result<String> {
     let target = Target::parse(&args.redis).map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
@@ -108,16 +46,14 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         SlotGroups::single()
     };
     let keys = KeyLayout::with_groups(&args.prefix, groups);
-    let owners = slot_owners(&target).context("reading the slot map")?;
+    let map = SlotMap::read(&target).context("reading the slot map")?;
     let mut conn = connect_blocking(&target, Duration::from_secs(3)).with_context(|| {
         format!(
             "cannot reach Redis at {}",
             crate::apply::redact_url(&args.redis)
         )
     })?;
-    let primaries: std::collections::BTreeSet<&str> =
-        owners.iter().map(|(_, _, o)| o.as_str()).collect();
-    let mut per_primary: BTreeMap<&str, u32> = primaries.iter().map(|p| (*p, 0)).collect();
+    let mut per_primary = vec![0u32; map.primary_count()];
     let mut out = String::new();
     let mut total = 0i64;
     writeln!(
@@ -125,7 +61,7 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         "post {} — {} buckets over {} primaries",
         args.post_id,
         args.buckets,
-        primaries.len()
+        map.primary_count()
     )?;
     writeln!(
         out,
@@ -135,13 +71,11 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
     for bucket in 0..args.buckets {
         let key = keys.counter_key(args.post_id, bucket);
         let slot = key_slot(key.as_bytes());
-        let owner = owners
-            .iter()
-            .find(|(s, e, _)| (*s..=*e).contains(&slot))
-            .map_or("(unassigned)", |(_, _, o)| o.as_str());
-        if let Some(n) = per_primary.get_mut(owner) {
-            *n += 1;
+        let owner = map.owner_of(slot);
+        if let Some(primary) = owner {
+            per_primary[primary] += 1;
         }
+        let owner = owner.map_or("(unassigned)", |p| map.primaries()[p].as_str());
         let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn.as_mut())?;
         total += value.unwrap_or(0);
         writeln!(
@@ -150,14 +84,14 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
             value.unwrap_or(0)
         )?;
     }
-    let (mean, sigma) = binomial(args.buckets, primaries.len());
+    let (mean, sigma) = binomial(args.buckets, map.primary_count());
     writeln!(out, "count {total}")?;
     writeln!(
         out,
         "per primary (Binomial mean {mean:.2}, σ {sigma:.2}, flag above {:.2}):",
         mean + 2.0 * sigma
     )?;
-    for (primary, n) in per_primary {
+    for (primary, n) in map.primaries().iter().zip(per_primary) {
         let flag = if f64::from(n) > mean + 2.0 * sigma {
             "  <- above mean + 2σ"
         } else {
@@ -166,17 +100,4 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         writeln!(out, "  {primary:<21} {n:>4}{flag}")?;
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn binomial_figures() {
-        let (mean, sigma) = binomial(64, 16);
-        assert!((mean - 4.0).abs() < 1e-9);
-        assert!((sigma - (64.0f64 * (1.0 / 16.0) * (15.0 / 16.0)).sqrt()).abs() < 1e-9);
-        assert_eq!(binomial(16, 1), (16.0, 0.0));
-    }
 }

@@ -21,6 +21,7 @@
 //! * [`fence`]: the pure apply / duplicate / straddle / gap decision.
 //! * [`routing`]: the stable hash, buckets and the Redis key layout.
 //! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
+//! * [`placement`]: who owns each slot, and Binomial(N, 1/M) buckets per primary.
 //! * [`store`]: connections to one Redis server or a cluster.
 //! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
 //! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
@@ -47,6 +48,7 @@ pub mod generate;
 pub mod inspect;
 pub mod local;
 pub mod metrics;
+pub mod placement;
 pub mod produce;
 pub mod proto;
 pub mod retry;
