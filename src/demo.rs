@@ -170,7 +170,7 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         topic: topic.clone(),
         group: "tally-demo".into(),
         redis: redis_url.clone(),
-        slot_groups: 128,
+        slot_groups: crate::config::DEFAULT_SLOT_GROUPS,
         test_script_pause_ms: 0,
         buckets: config.buckets,
         prefix: "tally".into(),

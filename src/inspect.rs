@@ -33,7 +33,7 @@ pub struct InspectPost {
     #[arg(long, env = "TALLY_PREFIX", default_value = crate::config::DEFAULT_PREFIX)]
     pub prefix: String,
     /// Slot groups on a cluster (as `tally run --slot-groups`).
-    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = crate::config::DEFAULT_SLOT_GROUPS)]
     pub slot_groups: u32,
 }
 
