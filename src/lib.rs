@@ -30,6 +30,7 @@
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
 //! * [`inspect`]: where a post's bucket keys live, per slot and primary.
+//! * [`plan`]: `tally plan`, buckets, primaries, partitions and consumers for a peak.
 //! * [`local`]: private redis-server and Tansu processes for the demo and the benchmark.
 //! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
 //! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
@@ -49,6 +50,7 @@ pub mod inspect;
 pub mod local;
 pub mod metrics;
 pub mod placement;
+pub mod plan;
 pub mod produce;
 pub mod proto;
 pub mod retry;

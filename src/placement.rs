@@ -24,10 +24,16 @@ pub fn binomial(buckets: u32, primaries: usize) -> (f64, f64) {
     (n * p, (n * p * (1.0 - p)).sqrt())
 }
 
-/// The rule of thumb for the busiest of M primaries: mean + sqrt(2 ln M)·σ buckets.
+/// The rule of thumb for the largest of `bins` draws with this mean and σ:
+/// mean + sqrt(2 ln bins)·σ.
+pub fn busiest(mean: f64, sigma: f64, bins: usize) -> f64 {
+    mean + (2.0 * (bins.max(1) as f64).ln()).sqrt() * sigma
+}
+
+/// The busiest of M primaries under random placement, in buckets.
 pub fn busiest_rule(buckets: u32, primaries: usize) -> f64 {
     let (mean, sigma) = binomial(buckets, primaries);
-    mean + (2.0 * (primaries.max(1) as f64).ln()).sqrt() * sigma
+    busiest(mean, sigma, primaries)
 }
 
 /// The owner of every hash slot.

@@ -33,6 +33,8 @@ enum Command {
     /// Show where stored state lives.
     #[command(subcommand)]
     Inspect(Inspect),
+    /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
+    Plan(Box<tally::plan::PlanArgs>),
 }
 
 #[derive(Subcommand)]
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         | Command::Produce(_)
         | Command::Bench(_)
         | Command::Inspect(_)
+        | Command::Plan(_)
         | Command::Docs(_) => "warn",
         Command::Run(_) => "info,rdkafka=warn",
     };
@@ -100,6 +103,9 @@ fn main() -> ExitCode {
             Command::Inspect(Inspect::Post(args)) => tally::inspect::inspect_post(&args)
                 .map(|report| print!("{report}"))
                 .map_err(|e| format!("{e:#}")),
+            Command::Plan(args) => tally::plan::report(&args)
+                .map(|report| print!("{report}"))
+                .map_err(|e| e.to_string()),
         }
     });
     match result {
