@@ -49,9 +49,9 @@ pub fn render(plan: &Plan) -> String {
     );
     row(&mut out, "consumers", &n(kafka.consumers.into()), &needed);
     let each = format!(
-        "{} events/s and {} batches/s each",
+        "{} events/s and {:.1} batches/s each",
         n(kafka.events_per_partition),
-        n(kafka.batches_per_partition)
+        kafka.batches_per_partition
     );
     row(&mut out, "partitions", &n(kafka.partitions.into()), &each);
     let most = "the most writes/s one bucket can get";

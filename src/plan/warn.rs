@@ -67,10 +67,10 @@ pub fn warnings(args: &PlanArgs, kafka: &Kafka, hot: &HotPost, redis: &Redis) ->
     }
     let even = 100.0 / f64::from(redis.primaries);
     if redis.slot_groups > 1 && redis.largest_share_pct > 1.2 * even {
-        let groups = (8 * redis.primaries).next_power_of_two().min(16_384);
         out.push(format!(
             "{} slot groups over {} primaries: one primary owns {:.1}% of the keys against an even \
-             {:.1}%; a new deployment would spread better with --slot-groups {groups}.",
+             {:.1}%. A primary count that divides the groups spreads evenly; more groups spread \
+             finer at one more script per group in every batch.",
             redis.slot_groups, redis.primaries, redis.largest_share_pct, even
         ));
     }
@@ -80,11 +80,10 @@ pub fn warnings(args: &PlanArgs, kafka: &Kafka, hot: &HotPost, redis: &Redis) ->
         && redis.slot_groups > 1
         && f64::from(redis.primaries) > 1.1 * f64::from(for_mean)
     {
-        let groups = (8 * for_mean).next_power_of_two().min(16_384);
         out.push(format!(
             "A slot group carries {} calls/s and a primary owns whole groups, so {} primaries are \
-             planned where {} would carry the mean; a new deployment with --slot-groups {groups} \
-             spreads finer.",
+             planned where {} would carry the mean. More --slot-groups spread finer but add a \
+             script per group to every batch; a longer --flush-interval-ms means fewer of both.",
             thousands(redis.ops_per_s / f64::from(redis.slot_groups)),
             redis.primaries,
             for_mean
