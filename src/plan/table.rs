@@ -17,7 +17,8 @@ pub fn thousands(value: f64) -> String {
     if value < -0.5 { format!("-{out}") } else { out }
 }
 
-const LABEL: usize = 34;
+const LABEL: usize = 30;
+const WIDTH: usize = 100;
 
 fn row(out: &mut String, label: &str, value: &str, note: &str) {
     let line = format!("  {label:<LABEL$}{value:>12}  {note}");
@@ -25,8 +26,20 @@ fn row(out: &mut String, label: &str, value: &str, note: &str) {
     out.push('\n');
 }
 
-fn pair(out: &mut String, label: &str, per_like: &str, batched: &str) {
-    let _ = writeln!(out, "  {label:<LABEL$}{per_like:>12}  {batched:>12}");
+/// `text` as a list item wrapped at [`WIDTH`], continuation lines indented.
+fn item(out: &mut String, text: &str) {
+    let mut line = String::from("  -");
+    for word in text.split_whitespace() {
+        if line.chars().count() + 1 + word.chars().count() > WIDTH {
+            out.push_str(&line);
+            out.push('\n');
+            line = String::from("   ");
+        }
+        line.push(' ');
+        line.push_str(word);
+    }
+    out.push_str(&line);
+    out.push('\n');
 }
 
 /// Renders the plan.
@@ -41,7 +54,7 @@ pub fn render(plan: &Plan) -> String {
         n(args.hot_events)
     );
     let needed = format!(
-        "{} needed at {} events/s each with {:.0}% free; {:.0}% busy",
+        "{} needed ({} events/s each, {:.0}% free); {:.0}% busy",
         kafka.consumers_needed,
         n(args.consumer_events),
         args.headroom_pct,
@@ -62,46 +75,39 @@ pub fn render(plan: &Plan) -> String {
         most,
     );
 
-    let _ = writeln!(out, "\nHot post{:>40}  {:>12}", "per like", "batched");
+    let _ = writeln!(out, "\nHot post{:>36}  {:>12}", "per like", "batched");
     let (a, b) = (&hot.per_event, &hot.batched);
+    let mut pair =
+        |label: &str, x: String, y: String| row(&mut out, label, &x, &format!("{y:>12}"));
+    pair("buckets needed", n(a.buckets.into()), n(b.buckets.into()));
     pair(
-        &mut out,
-        "buckets needed",
-        &n(a.buckets.into()),
-        &n(b.buckets.into()),
-    );
-    pair(
-        &mut out,
         "writes/s, all buckets",
-        &n(a.writes_per_s),
-        &n(b.writes_per_s),
+        n(a.writes_per_s),
+        n(b.writes_per_s),
     );
     pair(
-        &mut out,
         "writes/s per bucket",
-        &n(a.writes_per_bucket),
-        &n(b.writes_per_bucket),
+        n(a.writes_per_bucket),
+        n(b.writes_per_bucket),
     );
     let (x, y) = (n(a.busiest_bucket_second), n(b.busiest_bucket_second));
-    pair(&mut out, "busiest bucket, typical second", &x, &y);
+    pair("busiest bucket, usual second", x, y);
     let worst = a.busiest_bucket_worst_second.map_or("–".into(), n);
-    pair(&mut out, "busiest bucket, worst second", &worst, "–");
+    pair("busiest bucket, worst second", worst, "–".into());
     let _ = writeln!(
         out,
         "  (per like: {}; batched: {})",
         a.busiest_from, b.busiest_from
     );
-    let planned = format!(
-        "{} writes/s each; keys read per uncached count: {}",
-        n(hot.writes_per_bucket),
-        hot.reads_per_uncached_view
-    );
+    let planned = format!("{} writes/s each", n(hot.writes_per_bucket));
     row(
         &mut out,
         "buckets planned",
         &n(hot.buckets.into()),
         &planned,
     );
+    let reads = n(hot.reads_per_uncached_view.into());
+    row(&mut out, "keys read per uncached count", &reads, "");
 
     let _ = writeln!(
         out,
@@ -118,35 +124,43 @@ pub fn render(plan: &Plan) -> String {
     let share = format!("largest key share {:.1}%", redis.largest_share_pct);
     row(
         &mut out,
-        "calls/s per primary, even",
+        "calls/s per primary if even",
         &n(redis.mean_ops_per_primary),
         &share,
     );
     let s = &redis.buckets_per_primary;
-    let spread = format!(
-        "mean {:.2}, σ {:.2}, mean + sqrt(2 ln M)·σ = {:.2} buckets",
-        s.mean, s.sigma, s.busiest_rule
-    );
-    row(&mut out, "hot buckets per primary", "", &spread);
-    let rule = "calls/s on the busiest primary by that rule";
-    row(&mut out, "", &n(s.busiest_rule_ops), rule);
-    let mc = &redis.busiest_primary;
-    let label = format!("busiest primary, {} random posts", n(mc.posts.into()));
-    let _ = writeln!(out, "  {label}");
-    row(&mut out, "  p50", &n(mc.p50_ops), "calls/s");
-    let pct = format!(
-        "calls/s, {:.0}% of {} per primary",
-        mc.p99_pct_capacity,
-        n(args.primary_capacity)
-    );
-    row(&mut out, "  p99", &n(mc.p99_ops), &pct);
-    row(&mut out, "  worst", &n(mc.max_ops), "calls/s");
-    let keys = "of the hot post's buckets on its fullest primary";
+    let mean = format!("{:.2}", s.mean);
     row(
         &mut out,
-        "  p99 hot buckets",
-        &n(mc.p99_hot_buckets.into()),
-        keys,
+        "hot buckets per primary",
+        &mean,
+        &format!("N/M, σ {:.2}", s.sigma),
+    );
+    let rule = format!("{:.2}", s.busiest_rule);
+    let ops = format!("buckets, {} calls/s on that primary", n(s.busiest_rule_ops));
+    row(&mut out, "  busiest, mean + √(2 ln M)·σ", &rule, &ops);
+    let mc = &redis.busiest_primary;
+    let posts = n(mc.posts.into());
+    let _ = writeln!(
+        out,
+        "  over {posts} random posts (CRC16 slots of their real keys):"
+    );
+    let keys = n(mc.p99_hot_buckets.into());
+    row(&mut out, "  fullest primary, p99", &keys, "hot buckets");
+    row(
+        &mut out,
+        "  busiest primary, p50",
+        &n(mc.p50_ops),
+        "calls/s",
+    );
+    let cap = n(args.primary_capacity);
+    let pct = format!("calls/s, {:.0}% of {cap}", mc.p99_pct_capacity);
+    row(&mut out, "  busiest primary, p99", &n(mc.p99_ops), &pct);
+    row(
+        &mut out,
+        "  busiest primary, worst",
+        &n(mc.max_ops),
+        "calls/s",
     );
 
     let _ = writeln!(out, "\nWarnings");
@@ -154,7 +168,25 @@ pub fn render(plan: &Plan) -> String {
         let _ = writeln!(out, "  none");
     }
     for warning in &plan.warnings {
-        let _ = writeln!(out, "  - {warning}");
+        item(&mut out, warning);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_and_warnings_read_well() {
+        assert_eq!(thousands(14_000.4), "14,000");
+        assert_eq!(thousands(999.6), "1,000");
+        assert_eq!(thousands(10_000_000.0), "10,000,000");
+        assert_eq!(thousands(-1_234.0), "-1,234");
+        let mut out = String::new();
+        item(&mut out, &"word ".repeat(60));
+        assert!(out.lines().count() > 2);
+        assert!(out.lines().all(|l| l.chars().count() <= WIDTH), "{out}");
+        assert_eq!(out.split_whitespace().filter(|w| *w == "word").count(), 60);
+    }
 }
