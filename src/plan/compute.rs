@@ -312,4 +312,23 @@ mod tests {
         assert_eq!(error(&["--hot-events", "300000"]), "hot-events");
         assert_eq!(error(&["--slot-groups", "100"]), "slot-groups");
     }
+
+    #[test]
+    fn docs_show_what_the_planner_prints_now() {
+        let doc = include_str!("../../docs/sizing.md");
+        for flags in [
+            "--peak-events 120000 --hot-events 14000",
+            "--peak-events 10000000 --hot-events 800000",
+            "--peak-events 10000000 --hot-events 800000 --flush-interval-ms 300",
+        ] {
+            let printed = format!(
+                "$ tally plan {flags}\n{}",
+                super::super::table::render(&plan_of(flags))
+            );
+            assert!(
+                doc.contains(&printed),
+                "docs/sizing.md is stale for `tally plan {flags}`"
+            );
+        }
+    }
 }
