@@ -27,6 +27,14 @@ pub const DEFAULT_BUCKETS: u32 = 16;
 pub const DEFAULT_PREFIX: &str = "tally";
 /// Default consumer group.
 pub const DEFAULT_GROUP: &str = "tally";
+/// Default number of slot groups on a cluster.
+pub const DEFAULT_SLOT_GROUPS: u32 = 128;
+/// Default age at which a partition's batch closes (milliseconds).
+pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
+/// Default messages after which a partition's batch closes.
+pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 100_000;
+/// Default distinct (post, bucket) counters after which a partition's batch closes.
+pub const DEFAULT_BATCH_MAX_KEYS: usize = 10_000;
 
 /// Settings of `tally run`: each is a flag, a `TALLY_*` variable and a key of
 /// the `--config` file (flag > variable > file > default; see [`load`]).
@@ -69,7 +77,7 @@ pub struct RunConfig {
 
     /// On a cluster, the number of slot groups counters are spread over (a power of two;
     /// each batch sends at most one script per group). Fixed for the life of the data.
-    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128, help_heading = REDIS)]
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = DEFAULT_SLOT_GROUPS, help_heading = REDIS)]
     pub slot_groups: u32,
 
     /// Buckets per post (N): bucket = xxh64(user_id) % N. Changing it moves users between buckets.
@@ -95,15 +103,15 @@ pub struct RunConfig {
     pub prefix: String,
 
     /// Close a partition's batch after this many messages.
-    #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = 100_000, help_heading = BATCHING)]
+    #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = DEFAULT_BATCH_MAX_EVENTS, help_heading = BATCHING)]
     pub batch_max_events: u64,
 
     /// Close a partition's batch after this many distinct (post, bucket) counters.
-    #[arg(long, env = "TALLY_BATCH_MAX_KEYS", default_value_t = 10_000, help_heading = BATCHING)]
+    #[arg(long, env = "TALLY_BATCH_MAX_KEYS", default_value_t = DEFAULT_BATCH_MAX_KEYS, help_heading = BATCHING)]
     pub batch_max_keys: usize,
 
     /// Close a partition's batch when it is this old (milliseconds).
-    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = 100, help_heading = BATCHING)]
+    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = DEFAULT_FLUSH_INTERVAL_MS, help_heading = BATCHING)]
     pub flush_interval_ms: u64,
 
     /// Scripts in flight to Redis at once, across partitions (one per partition at most).

@@ -4,17 +4,16 @@
 //! For each bucket key of every routing version of a post: its hash slot, the primary that owns the
 //! slot now, and its value. Per primary: how many buckets it holds against
 //! the Binomial(N, 1/M) expectation (mean N/M, σ = sqrt(N·(1/M)·(1−1/M))),
-//! flagging primaries above mean + 2σ (for the newest version, the one
-//! taking new likes). A single server is one primary that
-//! holds everything.
+//! flagging primaries above mean + 2σ for the newest version (the maths and the slot map are in
+//! [`crate::placement`]). A single server is one primary that holds everything.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 
+use crate::placement::{SlotMap, binomial};
 use crate::routing::{CounterId, KeyLayout};
 use crate::slots::{SlotGroups, key_slot};
 use crate::store::{Target, connect_blocking};
@@ -35,70 +34,8 @@ pub struct InspectPost {
     #[arg(long, env = "TALLY_PREFIX", default_value = crate::config::DEFAULT_PREFIX)]
     pub prefix: String,
     /// Slot groups on a cluster (as `tally run --slot-groups`).
-    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = crate::config::DEFAULT_SLOT_GROUPS)]
     pub slot_groups: u32,
-}
-
-/// Per primary: buckets held, expected mean, standard deviation.
-pub fn binomial(buckets: u32, primaries: usize) -> (f64, f64) {
-    let n = f64::from(buckets);
-    let p = 1.0 / primaries.max(1) as f64;
-    (n * p, (n * p * (1.0 - p)).sqrt())
-}
-
-/// Owner of each slot range: (first, last, "host:port").
-fn slot_owners(target: &Target) -> Result<Vec<(u16, u16, String)>> {
-    match target {
-        Target::Single(url) => {
-            let host = url
-                .split("://")
-                .nth(1)
-                .unwrap_or(url)
-                .rsplit('@')
-                .next()
-                .unwrap_or(url);
-            Ok(vec![(
-                0,
-                crate::slots::SLOTS - 1,
-                host.trim_end_matches('/')
-                    .split('/')
-                    .next()
-                    .unwrap_or(host)
-                    .to_string(),
-            )])
-        }
-        Target::Cluster(nodes) => {
-            for node in nodes {
-                let Ok(client) = redis::Client::open(node.as_str()) else {
-                    continue;
-                };
-                let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2))
-                else {
-                    continue;
-                };
-                let slots: Vec<redis::Value> =
-                    redis::cmd("CLUSTER").arg("SLOTS").query(&mut conn)?;
-                let mut owners = Vec::new();
-                for range in slots {
-                    let redis::Value::Array(fields) = range else {
-                        continue;
-                    };
-                    let (Some(start), Some(end), Some(redis::Value::Array(primary))) =
-                        (fields.first(), fields.get(1), fields.get(2))
-                    else {
-                        continue;
-                    };
-                    let start: i64 = redis::from_redis_value_ref(start)?;
-                    let end: i64 = redis::from_redis_value_ref(end)?;
-                    let host: String = redis::from_redis_value_ref(&primary[0])?;
-                    let port: i64 = redis::from_redis_value_ref(&primary[1])?;
-                    owners.push((start as u16, end as u16, format!("{host}:{port}")));
-                }
-                return Ok(owners);
-            }
-            bail!("no cluster node answered")
-        }
-    }
 }
 
 /// Renders the report for one post.
@@ -110,15 +47,13 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         SlotGroups::single()
     };
     let keys = KeyLayout::with_groups(&args.prefix, groups);
-    let owners = slot_owners(&target).context("reading the slot map")?;
+    let map = SlotMap::read(&target).context("reading the slot map")?;
     let mut conn = connect_blocking(&target, Duration::from_secs(3)).with_context(|| {
         format!(
             "cannot reach Redis at {}",
             crate::apply::redact_url(&args.redis)
         )
     })?;
-    let primaries: std::collections::BTreeSet<&str> =
-        owners.iter().map(|(_, _, o)| o.as_str()).collect();
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.route_key(args.post_id))
         .query(conn.as_mut())?;
@@ -134,7 +69,7 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
             .map(|(v, n)| format!("version {v}: {n} buckets"))
             .collect::<Vec<_>>()
             .join(", "),
-        primaries.len(),
+        map.primary_count(),
         meta.mode.as_deref().unwrap_or("default"),
         meta.current.unwrap_or(0),
     )?;
@@ -143,10 +78,10 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         "{:>7}  {:>6}  {:>5}  {:<21}  {:>10}  key",
         "version", "bucket", "slot", "primary", "value"
     )?;
-    let mut newest: BTreeMap<&str, u32> = BTreeMap::new();
+    // Placement is judged for the newest version, the one taking new likes.
+    let mut per_primary = vec![0u32; map.primary_count()];
     for &(version, buckets) in &meta.versions {
-        let is_newest = Some(&(version, buckets)) == meta.versions.last();
-        newest = primaries.iter().map(|p| (*p, 0)).collect();
+        per_primary.iter_mut().for_each(|n| *n = 0);
         for bucket in 0..buckets {
             let key = keys.key_of(CounterId {
                 post_id: args.post_id,
@@ -154,15 +89,11 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
                 bucket,
             });
             let slot = key_slot(key.as_bytes());
-            let owner = owners
-                .iter()
-                .find(|(s, e, _)| (*s..=*e).contains(&slot))
-                .map_or("(unassigned)", |(_, _, o)| o.as_str());
-            if let Some(n) = newest.get_mut(owner)
-                && is_newest
-            {
-                *n += 1;
+            let owner = map.owner_of(slot);
+            if let Some(primary) = owner {
+                per_primary[primary] += 1;
             }
+            let owner = owner.map_or("(unassigned)", |p| map.primaries()[p].as_str());
             let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn.as_mut())?;
             total += value.unwrap_or(0);
             writeln!(
@@ -177,13 +108,13 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
     }
     writeln!(out, "count {total}")?;
     let &(version, buckets) = meta.versions.last().expect("version 0 at least");
-    let (mean, sigma) = binomial(buckets, primaries.len());
+    let (mean, sigma) = binomial(buckets, map.primary_count());
     writeln!(
         out,
         "version {version} per primary (Binomial mean {mean:.2}, σ {sigma:.2}, flag above {:.2}):",
         mean + 2.0 * sigma
     )?;
-    for (primary, n) in newest {
+    for (primary, n) in map.primaries().iter().zip(per_primary) {
         let flag = if f64::from(n) > mean + 2.0 * sigma {
             "  <- above mean + 2σ"
         } else {
@@ -192,17 +123,4 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
         writeln!(out, "  {primary:<21} {n:>4}{flag}")?;
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn binomial_figures() {
-        let (mean, sigma) = binomial(64, 16);
-        assert!((mean - 4.0).abs() < 1e-9);
-        assert!((sigma - (64.0f64 * (1.0 / 16.0) * (15.0 / 16.0)).sqrt()).abs() < 1e-9);
-        assert_eq!(binomial(16, 1), (16.0, 0.0));
-    }
 }

@@ -26,6 +26,7 @@
 //! * [`read`] and [`serve`]: the read path (a cached, coalescing `Reader`)
 //!   and its HTTP front; [`promote`]: routing changes by hand.
 //! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
+//! * [`placement`]: who owns each slot, and Binomial(N, 1/M) buckets per primary.
 //! * [`store`]: connections to one Redis server or a cluster.
 //! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
 //! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
@@ -37,6 +38,7 @@
 //! * [`proto`]: the generated `LikeEvent` type.
 //! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
 //! * [`inspect`]: where a post's bucket keys live, per slot and primary.
+//! * [`plan`]: `tally plan`, buckets, primaries, partitions and consumers for a peak.
 //! * [`local`]: private redis-server and Tansu processes for the demo and the benchmark.
 //! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
 //! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
@@ -58,6 +60,8 @@ pub mod http;
 pub mod inspect;
 pub mod local;
 pub mod metrics;
+pub mod placement;
+pub mod plan;
 pub mod produce;
 pub mod promote;
 pub mod proto;

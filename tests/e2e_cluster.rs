@@ -51,6 +51,7 @@ fn finish(run: &Scenario, cluster: &RedisCluster, workload: &Workload, tallies: 
     );
     let counts = cluster.read_counts(&run.prefix);
     assert_counts_eq(&counts, &workload.truth);
+    assert_reader_exact(run, cluster, workload);
     for t in tallies.iter_mut() {
         assert!(
             !t.log_text().contains("CROSSSLOT"),
@@ -60,6 +61,35 @@ fn finish(run: &Scenario, cluster: &RedisCluster, workload: &Workload, tallies: 
         let status = t.sigterm_and_wait(Duration::from_secs(30));
         assert!(status.success(), "exit {status}:\n{}", t.log_tail(30));
     }
+}
+
+/// The library's reader, on the cluster, returns every post's truth: its pipelines cross slots
+/// and nodes without a CROSSSLOT, and hot posts' versions are summed.
+fn assert_reader_exact(run: &Scenario, cluster: &RedisCluster, workload: &Workload) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let target = tally::store::Target::parse(&cluster.url()).unwrap();
+    let store = rt
+        .block_on(tally::store::Shared::connect(&target))
+        .expect("connect the reader");
+    let keys = tally::routing::KeyLayout::with_groups(
+        run.prefix.clone(),
+        tally::slots::SlotGroups::cluster(GROUPS as u32),
+    );
+    let reader = tally::read::Reader::new(store, keys, 16, Duration::ZERO);
+    let posts: Vec<u64> = workload.truth.keys().copied().collect();
+    for chunk in posts.chunks(1_000) {
+        for count in rt
+            .block_on(reader.counts(chunk))
+            .expect("reader on the cluster")
+        {
+            assert_eq!(
+                count.likes, workload.truth[&count.post_id],
+                "reader count of post {}",
+                count.post_id
+            );
+        }
+    }
+    eprintln!("[e2e_cluster] reader agrees on {} posts", posts.len());
 }
 
 #[test]

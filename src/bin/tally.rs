@@ -45,6 +45,8 @@ enum Command {
     Promote(tally::promote::RouteArgs),
     /// Give a post fewer buckets (a new routing version; old keys stay summed).
     Demote(tally::promote::RouteArgs),
+    /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
+    Plan(Box<tally::plan::PlanArgs>),
 }
 
 #[derive(Subcommand)]
@@ -87,7 +89,8 @@ fn main() -> ExitCode {
         | Command::Count(_)
         | Command::Promote(_)
         | Command::Demote(_)
-        | Command::Config(_) => "warn",
+        | Command::Config(_)
+        | Command::Plan(_) => "warn",
         Command::Run(_) | Command::Serve(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
@@ -174,6 +177,9 @@ fn main() -> ExitCode {
                     .map(|out| print!("{out}"))
                     .map_err(|e| format!("{e:#}"))
             }
+            Command::Plan(args) => tally::plan::report(&args)
+                .map(|report| print!("{report}"))
+                .map_err(|e| e.to_string()),
         }
     });
     match result {
