@@ -317,6 +317,18 @@ impl RunConfig {
             "buckets",
             "must be between 1 and 1048576",
         );
+        let session_ms = self
+            .kafka_config
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "session.timeout.ms")
+            .map_or(Some(45_000), |(_, v)| v.parse::<u64>().ok());
+        check(
+            session_ms.is_some_and(|ms| self.shutdown_timeout_secs * 1000 < ms),
+            "shutdown-timeout-secs",
+            "must be below the consumer's session.timeout.ms (45 s unless set with -X): a \
+             stopping consumer finishes its batches and leaves before the group could expire it",
+        );
         check(
             self.hot_buckets != 0 && self.hot_buckets <= 1 << 16,
             "hot-buckets",
@@ -436,6 +448,16 @@ mod tests {
     }
 
     #[test]
+    fn shutdown_must_end_within_the_session_timeout() {
+        let problems = parse(&["-X", "session.timeout.ms=6000"]).problems();
+        assert_eq!(problems.len(), 1);
+        assert_eq!(problems[0].flag, "shutdown-timeout-secs");
+        let fine = parse(&["--shutdown-timeout-secs", "5", "-X", "session.timeout.ms=6000"]);
+        assert!(fine.problems().is_empty());
+        assert!(parse(&[]).problems().is_empty(), "defaults: 10 s within 45 s");
+    }
+
+    #[test]
     fn sasl_settings_become_librdkafka_properties() {
         let config = parse(&[
             "--kafka-security-protocol",
@@ -446,6 +468,8 @@ mod tests {
             "tally",
             "--kafka-sasl-password",
             "pw",
+            "--shutdown-timeout-secs",
+            "5",
             "-X",
             "session.timeout.ms=6000",
         ]);

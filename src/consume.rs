@@ -218,6 +218,9 @@ pub fn create_consumer(
         // directly as produce-to-visible latency on brokers that hold fetches.
         .set("fetch.wait.max.ms", "100")
         .set("statistics.interval.ms", "5000")
+        // Incremental rebalancing: a consumer joining or leaving moves only
+        // the partitions that change hands; the others keep flowing.
+        .set("partition.assignment.strategy", "cooperative-sticky")
         .set("client.id", "tally");
     for (key, value) in extra {
         config.set(key, value);

@@ -12,7 +12,7 @@
 //! partition count would over-count posts keyed to one partition by the same
 //! factor, so consumers share their counts instead: once per second each adds
 //! the guaranteed counts of its top posts to a per-second hash in Redis
-//! (`<prefix>:heat:<second>`, expiring after a minute) and reads back the
+//! (`<prefix>:heat:{heat}:<second>`, expiring after a minute) and reads back the
 //! totals of the previous second, which every consumer has finished adding
 //! to. A post whose total crosses `--promote-above` is promoted to
 //! `--hot-buckets` through [`crate::versions::Routes::publish`], which makes

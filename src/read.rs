@@ -7,8 +7,10 @@
 //!
 //! Round trips: one pipeline reads the route hash and the version-0 buckets
 //! of every post asked for; a second reads the buckets of other versions, for
-//! hot posts only. On a cluster each pipeline is split per node by the client
-//! and every command names one key, so no call spans slots. Counts of
+//! hot posts only. On a cluster a pipeline may not span slots, so each is cut
+//! into one pipeline per hash slot, sent concurrently; route hashes share
+//! their post's slot groups, so a read touches at most as many slots as there
+//! are slot groups. Counts of
 //! different keys are read at slightly different moments: a read is not a
 //! point-in-time snapshot of a post (nor of several), and a batch applying
 //! while it runs may be seen in some buckets and not yet in others. Every
@@ -18,19 +20,20 @@
 //! A per-process cache keeps each count for `ttl` (default 1 s); concurrent
 //! misses of the same post wait for one fetch instead of each sending their own.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use redis::RedisError;
+use redis::{RedisError, Value};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::apply::{ConnectError, redact_url};
 use crate::routing::{CounterId, KeyLayout};
-use crate::slots::SlotGroups;
+use crate::slots::{SlotGroups, key_slot};
 use crate::store::{Shared, Target};
 use crate::versions::{PostMeta, READ_DEADLINE, Routes, wall_ms};
 
@@ -114,6 +117,9 @@ impl From<RedisError> for ReadError {
 }
 
 type Pending = watch::Receiver<Option<Result<Count, ReadError>>>;
+
+/// A one-key command: the key and the command's name.
+type KeyCommand = (String, &'static str);
 
 /// Reads counts, with a per-process cache and coalesced misses. Cheap to clone.
 #[derive(Clone)]
@@ -269,48 +275,32 @@ impl Reader {
         let inner = &self.inner;
         let as_of_ms = wall_ms();
         let default = PostMeta::from_fields(&[], inner.default_buckets);
-        let first: Vec<String> = posts
-            .iter()
-            .flat_map(|&p| default.keys(&inner.keys, p))
-            .collect();
-        let routes: Vec<String> = posts.iter().map(|&p| inner.keys.route_key(p)).collect();
-        let (metas, values) = inner
-            .store
-            .call(|mut s| {
-                let mut pipe = redis::pipe();
-                for key in &routes {
-                    pipe.hgetall(key);
-                }
-                for key in &first {
-                    pipe.get(key);
-                }
-                async move {
-                    let mut replies: Vec<redis::Value> = pipe.query_async(&mut s).await?;
-                    let values = replies.split_off(routes.len());
-                    let metas: Vec<Vec<(String, String)>> = replies
-                        .into_iter()
-                        .map(redis::from_redis_value)
-                        .collect::<Result<_, _>>()?;
-                    let values: Vec<Option<i64>> = values
-                        .into_iter()
-                        .map(redis::from_redis_value)
-                        .collect::<Result<_, _>>()?;
-                    Ok((metas, values))
-                }
-            })
-            .await?;
         let per_post = inner.default_buckets as usize;
+        let mut first: Vec<KeyCommand> = posts
+            .iter()
+            .map(|&p| (inner.keys.route_key(p), "HGETALL"))
+            .collect();
+        for &post in posts {
+            first.extend(
+                default
+                    .keys(&inner.keys, post)
+                    .into_iter()
+                    .map(|k| (k, "GET")),
+            );
+        }
+        let mut replies = self.query(first).await?;
+        let values = replies.split_off(posts.len());
         let mut counts = Vec::with_capacity(posts.len());
-        let mut extra: Vec<(usize, String)> = Vec::new();
-        for (i, (&post_id, fields)) in posts.iter().zip(&metas).enumerate() {
-            let meta = PostMeta::from_fields(fields, inner.default_buckets);
+        let mut extra: Vec<(usize, KeyCommand)> = Vec::new();
+        for (i, (&post_id, fields)) in posts.iter().zip(replies).enumerate() {
+            let fields: Vec<(String, String)> = redis::from_redis_value(fields)?;
+            let meta = PostMeta::from_fields(&fields, inner.default_buckets);
             let routed_default = meta.versions.first() == Some(&(0, inner.default_buckets));
             let mut likes = meta.base;
             if routed_default {
-                likes += values[i * per_post..(i + 1) * per_post]
-                    .iter()
-                    .flatten()
-                    .sum::<i64>();
+                for value in &values[i * per_post..(i + 1) * per_post] {
+                    likes += redis::from_redis_value_ref::<Option<i64>>(value)?.unwrap_or(0);
+                }
             }
             for &(version, buckets) in &meta.versions {
                 if version == 0 && routed_default {
@@ -322,7 +312,7 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, inner.keys.key_of(id)));
+                    extra.push((i, (inner.keys.key_of(id), "GET")));
                 }
             }
             counts.push(Count {
@@ -332,21 +322,52 @@ impl Reader {
             });
         }
         if !extra.is_empty() {
-            let values: Vec<Option<i64>> = inner
-                .store
-                .call(|mut s| {
-                    let mut pipe = redis::pipe();
-                    for (_, key) in &extra {
-                        pipe.get(key);
-                    }
-                    async move { pipe.query_async(&mut s).await }
-                })
-                .await?;
-            for ((i, _), value) in extra.iter().zip(values) {
-                counts[*i].likes += value.unwrap_or(0);
+            let (owners, commands): (Vec<usize>, Vec<_>) = extra.into_iter().unzip();
+            for (i, value) in owners.into_iter().zip(self.query(commands).await?) {
+                counts[i].likes += redis::from_redis_value::<Option<i64>>(value)?.unwrap_or(0);
             }
         }
         Ok(counts)
+    }
+
+    /// Runs one-key commands and returns their replies in order: one pipeline
+    /// on a single server; on a cluster one pipeline per hash slot (a cluster
+    /// pipeline must stay in one slot), sent concurrently.
+    async fn query(&self, commands: Vec<KeyCommand>) -> Result<Vec<Value>, RedisError> {
+        let pipeline = |part: &[(usize, &KeyCommand)]| {
+            let mut pipe = redis::pipe();
+            for (_, (key, name)) in part {
+                pipe.cmd(name).arg(key);
+            }
+            pipe
+        };
+        let indexed: Vec<(usize, &KeyCommand)> = commands.iter().enumerate().collect();
+        let mut by_slot: BTreeMap<u16, Vec<(usize, &KeyCommand)>> = BTreeMap::new();
+        if self.inner.keys.groups().is_cluster() {
+            for item in indexed {
+                by_slot
+                    .entry(key_slot(item.1.0.as_bytes()))
+                    .or_default()
+                    .push(item);
+            }
+        } else {
+            by_slot.insert(0, indexed);
+        }
+        let parts: Vec<_> = by_slot.into_values().collect();
+        let replies = futures::future::try_join_all(parts.iter().map(|part| {
+            let pipe = pipeline(part);
+            self.inner
+                .store
+                .call(move |mut s| async move { pipe.query_async::<Vec<Value>>(&mut s).await })
+        }))
+        .await?;
+        let mut ordered = vec![Value::Nil; commands.len()];
+        for (part, values) in parts.iter().zip(replies) {
+            for ((i, _), value) in part.iter().zip(values) {
+                ordered[*i] = value;
+            }
+        }
+        Ok(ordered)
     }
 }
 

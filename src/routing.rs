@@ -164,8 +164,12 @@ impl KeyLayout {
 
     /// The routing metadata of a post: a hash read by readers (see
     /// [`crate::versions`]). Deliberately outside `<prefix>:likes:`.
+    /// On a cluster it shares the slot of the post's bucket 0, so a reader's
+    /// commands fall into as many slots as there are slot groups.
     pub fn route_key(&self, post_id: u64) -> String {
-        format!("{}:route:{}", self.prefix, post_id)
+        let mut key = format!("{}:route:{}", self.prefix, post_id);
+        self.write_tag(&mut key, self.groups.group_of(post_id, 0));
+        key
     }
 
     /// The registry of every post with routing metadata, read by writers.
@@ -175,8 +179,10 @@ impl KeyLayout {
 
     /// The shared per-second activity counters hot-post detection sums across
     /// consumers.
+    /// Every second's hash shares one slot (tag `{heat}`), so a consumer adds
+    /// to one second and reads the one before in a single pipeline.
     pub fn heat_key(&self, window: u64) -> String {
-        format!("{}:heat:{}", self.prefix, window)
+        format!("{}:heat:{{heat}}:{}", self.prefix, window)
     }
 
     /// The glob pattern matching every bucket of a post.

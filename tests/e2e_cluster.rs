@@ -140,7 +140,8 @@ fn three_primaries_with_reshard_and_script_flush_count_exactly() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(report.contains("16 buckets over 3 primaries"), "{report}");
+    assert!(report.contains("version 0: 16 buckets"), "{report}");
+    assert!(report.contains("over 3 primaries"), "{report}");
     assert!(
         report.contains(&format!("count {}", workload.truth[&viral_post])),
         "{report}"

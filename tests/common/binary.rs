@@ -40,6 +40,8 @@ pub fn tally_args(
         redis_url,
         "--prefix",
         prefix,
+        "--shutdown-timeout-secs",
+        "5",
         "-X",
         "session.timeout.ms=6000",
         "-X",
