@@ -452,9 +452,17 @@ mod tests {
         let problems = parse(&["-X", "session.timeout.ms=6000"]).problems();
         assert_eq!(problems.len(), 1);
         assert_eq!(problems[0].flag, "shutdown-timeout-secs");
-        let fine = parse(&["--shutdown-timeout-secs", "5", "-X", "session.timeout.ms=6000"]);
+        let fine = parse(&[
+            "--shutdown-timeout-secs",
+            "5",
+            "-X",
+            "session.timeout.ms=6000",
+        ]);
         assert!(fine.problems().is_empty());
-        assert!(parse(&[]).problems().is_empty(), "defaults: 10 s within 45 s");
+        assert!(
+            parse(&[]).problems().is_empty(),
+            "defaults: 10 s within 45 s"
+        );
     }
 
     #[test]
