@@ -54,6 +54,7 @@ pub mod decode;
 pub mod demo;
 pub mod fence;
 pub mod generate;
+pub mod generation;
 pub mod health;
 pub mod hot;
 pub mod http;

@@ -44,7 +44,10 @@ pub async fn route_command(args: &RouteArgs, direction: Direction) -> Result<Str
     if buckets == 0 || buckets > 1 << 16 {
         bail!("--to-buckets must be between 1 and 65536");
     }
-    let (_, _, routes) = args.store.connect().await?;
+    let (store, base, _) = args.store.connect().await?;
+    // Routing changes go to the generation writers use now.
+    let keys = crate::generation::current_layout(&store, &base).await?;
+    let routes = crate::versions::Routes::new(store, keys, args.store.buckets);
     let table = routes.fetch().await?;
     let latest = table.latest(args.post_id);
     match direction {

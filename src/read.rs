@@ -17,6 +17,13 @@
 //!
 //! A per-process cache keeps each count for `ttl` (default 1 s); concurrent
 //! misses of the same post wait for one fetch instead of each sending their own.
+//!
+//! Generations: a read sums the generation the pointer names (see
+//! [`crate::generation`]), read at most [`POINTER_TTL`] (or `ttl`, if
+//! shorter) before; a reader never goes back to an older generation than one
+//! it has read. A rebuild moves the pointer only to a generation at or past
+//! every fence of the old one while the old one is frozen, so a post that only
+//! gains likes never reads lower after the switch than before it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,10 +36,14 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::apply::{ConnectError, redact_url};
+use crate::generation;
 use crate::routing::{CounterId, KeyLayout};
 use crate::slots::SlotGroups;
 use crate::store::{Shared, Target};
 use crate::versions::{PostMeta, READ_DEADLINE, Routes, wall_ms};
+
+/// How long a reader trusts the generation pointer it read.
+pub const POINTER_TTL: Duration = Duration::from_secs(1);
 
 /// Where counts live: the settings every command touching Redis shares with `tally run`.
 #[derive(Debug, Clone, Args)]
@@ -123,7 +134,10 @@ pub struct Reader {
 
 struct Inner {
     store: Shared,
-    keys: KeyLayout,
+    /// The layout under the base prefix; each generation's is derived from it.
+    base: KeyLayout,
+    /// The generation last read, its layout, and when.
+    layout: Mutex<(u64, KeyLayout, Option<Instant>)>,
     default_buckets: u32,
     ttl: Duration,
     cache: Mutex<FxHashMap<u64, (Count, Instant)>>,
@@ -149,11 +163,14 @@ impl Drop for Leading<'_> {
 
 impl Reader {
     /// A reader over `store`, caching counts for `ttl` (zero: no cache).
+    /// `keys` is the layout under the base prefix (`--prefix`); counts are
+    /// read from the generation the pointer names.
     pub fn new(store: Shared, keys: KeyLayout, default_buckets: u32, ttl: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
                 store,
-                keys,
+                layout: Mutex::new((0, keys.clone(), None)),
+                base: keys,
                 default_buckets,
                 ttl,
                 cache: Mutex::new(FxHashMap::default()),
@@ -161,6 +178,47 @@ impl Reader {
                 fetches: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// The layout of the current generation, from the pointer read at most
+    /// `min(ttl, POINTER_TTL)` ago; never one older than a layout already used.
+    pub async fn layout(&self) -> Result<(u64, KeyLayout), RedisError> {
+        let inner = &self.inner;
+        {
+            let layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(at) = layout.2
+                && at.elapsed() < inner.ttl.min(POINTER_TTL)
+            {
+                return Ok((layout.0, layout.1.clone()));
+            }
+        }
+        let read_at = Instant::now();
+        let pointer = generation::read_pointer(&inner.store, inner.base.prefix()).await?;
+        let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
+        if pointer.current >= layout.0 || layout.2.is_none() {
+            let prefix = generation::prefix_of(inner.base.prefix(), pointer.current);
+            *layout = (
+                pointer.current,
+                inner.base.with_prefix(prefix),
+                Some(read_at),
+            );
+        }
+        Ok((layout.0, layout.1.clone()))
+    }
+
+    /// Every key a read of `post_id` sums now, and the generation's prefix.
+    pub async fn summed_keys(&self, post_id: u64) -> Result<(String, Vec<String>), ReadError> {
+        let (_, keys) = self.layout().await?;
+        let route = keys.route_key(post_id);
+        let fields: Vec<(String, String)> = self
+            .inner
+            .store
+            .call(
+                |mut s| async move { redis::cmd("HGETALL").arg(&route).query_async(&mut s).await },
+            )
+            .await?;
+        let meta = PostMeta::from_fields(&fields, self.inner.default_buckets);
+        Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
     }
 
     /// Fetches sent to Redis so far (each one or two pipelines, for any number of posts).
@@ -268,12 +326,10 @@ impl Reader {
     async fn fetch_once(&self, posts: &[u64]) -> Result<Vec<Count>, RedisError> {
         let inner = &self.inner;
         let as_of_ms = wall_ms();
+        let (_, keys) = self.layout().await?;
         let default = PostMeta::from_fields(&[], inner.default_buckets);
-        let first: Vec<String> = posts
-            .iter()
-            .flat_map(|&p| default.keys(&inner.keys, p))
-            .collect();
-        let routes: Vec<String> = posts.iter().map(|&p| inner.keys.route_key(p)).collect();
+        let first: Vec<String> = posts.iter().flat_map(|&p| default.keys(&keys, p)).collect();
+        let routes: Vec<String> = posts.iter().map(|&p| keys.route_key(p)).collect();
         let (metas, values) = inner
             .store
             .call(|mut s| {
@@ -322,7 +378,7 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, inner.keys.key_of(id)));
+                    extra.push((i, keys.key_of(id)));
                 }
             }
             counts.push(Count {
@@ -359,6 +415,9 @@ pub struct CountArgs {
     /// Print JSON (one object per post, in a list) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also print the current generation's key prefix and every key summed.
+    #[arg(long)]
+    pub show_keys: bool,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -373,8 +432,22 @@ pub async fn count_command(args: &CountArgs) -> anyhow::Result<String> {
         return Ok(serde_json::to_string_pretty(&counts)? + "\n");
     }
     let mut out = format!("{:>20}  {:>14}\n", "post", "likes");
-    for count in counts {
+    for count in &counts {
         out.push_str(&format!("{:>20}  {:>14}\n", count.post_id, count.likes));
+    }
+    if args.show_keys {
+        let (generation, _) = reader.layout().await?;
+        for count in &counts {
+            let (prefix, keys) = reader.summed_keys(count.post_id).await?;
+            out.push_str(&format!(
+                "\npost {}: generation {generation}, prefix {prefix}, {} keys summed (plus the route hash's base):\n",
+                count.post_id,
+                keys.len()
+            ));
+            for key in keys {
+                out.push_str(&format!("  {key}\n"));
+            }
+        }
     }
     Ok(out)
 }
