@@ -169,6 +169,8 @@ pub async fn verify_command(config: RunConfig, args: VerifyArgs) -> Result<Repor
         crate::consume::client_config(&config.brokers, &config.kafka_security())
             .set("enable.partition.eof", "false")
             .set("enable.auto.commit", "false")
+            // Never joins the group nor commits; librdkafka wants a name to assign.
+            .set("group.id", format!("{}-verify", config.group))
             .create()
             .context("creating the Kafka client")?;
     let count = crate::consume::check_topic(&consumer, &config.brokers, &config.topic, "topic")?;
