@@ -111,6 +111,14 @@ struct Following {
     frozen_since: Option<Instant>,
 }
 
+impl Following {
+    /// Whether new batches are held: the freeze was seen on a tick, or the
+    /// watch has read it since (ticks wait while messages keep arriving).
+    fn frozen(&self) -> bool {
+        self.frozen_since.is_some() || self.watch.current().frozen_for.is_some()
+    }
+}
+
 /// A partition this consumer owns.
 struct Owned {
     /// Distinguishes this ownership from earlier ones of the same partition.
@@ -639,10 +647,7 @@ impl Pipeline {
     fn dispatch(&mut self, partition: i32) {
         if self.busy.contains(&partition)
             || self.busy.len() >= self.config.max_in_flight
-            || self
-                .following
-                .as_ref()
-                .is_some_and(|f| f.frozen_since.is_some())
+            || self.following.as_ref().is_some_and(Following::frozen)
         {
             return;
         }
