@@ -5,7 +5,7 @@
 //!   reader polling a likes-only hot post never saw it go down, nor below the old generation's
 //!   value once the pointer had moved;
 //! * FLUSHALL, then a rebuild restores every count, and `tally run` carries on in the new
-//!   generation;
+//!   generation; a later rebuild, killed and aborted, leaves no key behind;
 //! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise.
 
 mod common;
@@ -355,12 +355,57 @@ fn flushall_then_rebuild_restores_every_count() {
     for count in rt.block_on(reader.counts(&posts)).unwrap() {
         assert_eq!(count.likes, workload.truth[&count.post_id]);
     }
+    assert!(
+        rebuild.log_text().contains("Rebuild progress"),
+        "{}",
+        rebuild.log_tail(20)
+    );
     let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
     assert!(
         text(&out).contains("no unfinished rebuild"),
         "{}",
         text(&out)
     );
+
+    // A second rebuild, stopped early and aborted, leaves generation 1 as it was.
+    let slow: Vec<&str> = refs
+        .iter()
+        .copied()
+        .chain(["--batch-max-events", "100", "--test-script-pause-ms", "200"])
+        .collect();
+    let mut doomed = Tally::spawn_command("rebuild-aborted", "rebuild", &slow);
+    let g2 = format!("{}:g2", run.prefix);
+    wait_for(
+        "the second rebuild to apply",
+        Duration::from_secs(60),
+        || {
+            doomed.assert_running();
+            (applied(&mut conn, &g2, &run, PARTITIONS as usize)
+                .iter()
+                .sum::<i64>()
+                > 0)
+            .then_some(())
+        },
+    );
+    doomed.kill9();
+    let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
+    assert!(
+        text(&out).contains("dropped generation 2"),
+        "{}",
+        text(&out)
+    );
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{g2}:*"))
+        .query(&mut conn)
+        .unwrap();
+    assert!(left.is_empty(), "{left:?}");
+    let record: bool = redis::cmd("EXISTS")
+        .arg(format!("{}:rebuild", run.prefix))
+        .query(&mut conn)
+        .unwrap();
+    assert!(!record);
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
 
     // `tally run` starts in generation 1 and carries on from its fences.
     let mut live = Tally::spawn_args("live-2", &args);
