@@ -209,6 +209,14 @@ impl Applier {
         })
     }
 
+    /// The same applier writing under another key layout (a new generation).
+    pub fn with_keys(&self, keys: KeyLayout) -> Self {
+        Self {
+            keys,
+            ..self.clone()
+        }
+    }
+
     /// The shared store connection.
     pub fn store(&self) -> &Shared {
         &self.store

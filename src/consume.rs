@@ -49,7 +49,8 @@ pub enum Rebalanced {
 /// changes for the main loop, which drains them after every poll.
 pub struct TallyContext {
     topic: String,
-    fences: FenceReader,
+    /// Replaced when the key generation changes (see [`crate::generation`]).
+    fences: Mutex<FenceReader>,
     queue: Mutex<Vec<Rebalanced>>,
 }
 
@@ -58,9 +59,15 @@ impl TallyContext {
     pub fn new(topic: &str, fences: FenceReader) -> Self {
         Self {
             topic: topic.to_string(),
-            fences,
+            fences: Mutex::new(fences),
             queue: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Reads fences with `fences` from now on: every later assignment starts
+    /// at the fences of the generation it names.
+    pub fn set_fences(&self, fences: FenceReader) {
+        *self.fences.lock().unwrap_or_else(|e| e.into_inner()) = fences;
     }
 
     /// Takes the ownership changes queued since the last call.
@@ -77,8 +84,13 @@ impl TallyContext {
 
     /// Reads fences with a few quick retries; gives up rather than stall the group.
     fn read_fences(&self, partitions: &[i32]) -> Option<Vec<PartitionFences>> {
+        let reader = self
+            .fences
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         for attempt in 1..=3 {
-            match self.fences.read(partitions) {
+            match reader.read(partitions) {
                 Ok(fences) => return Some(fences),
                 Err(error) => {
                     warn!(attempt, %error, "Cannot read fences during rebalance.");

@@ -54,6 +54,8 @@ pub fn inspect_post(args: &InspectPost) -> Result<String> {
             crate::apply::redact_url(&args.redis)
         )
     })?;
+    let current = crate::generation::read_pointer_blocking(conn.as_mut(), &args.prefix)?;
+    let keys = keys.with_prefix(crate::generation::prefix_of(&args.prefix, current));
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.route_key(args.post_id))
         .query(conn.as_mut())?;

@@ -23,6 +23,10 @@
 //! * [`versions`]: per-post routing versions (promotion, demotion) and the
 //!   order of operations that keeps writers and readers consistent.
 //! * [`hot`]: hot-post detection (a heavy-hitters sketch, shared per second).
+//! * [`generation`]: which key prefix is live (the pointer, the freeze flag,
+//!   the rebuild record); [`rebuild`]: recounting the topic into a new
+//!   generation and the cut-over to it; [`verify`]: recounting in memory and
+//!   comparing; [`gc`]: removing old generations after a grace period.
 //! * [`read`] and [`serve`]: the read path (a cached, coalescing `Reader`)
 //!   and its HTTP front; [`promote`]: routing changes by hand.
 //! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
@@ -53,7 +57,9 @@ pub mod dead_letter;
 pub mod decode;
 pub mod demo;
 pub mod fence;
+pub mod gc;
 pub mod generate;
+pub mod generation;
 pub mod health;
 pub mod hot;
 pub mod http;
@@ -66,6 +72,7 @@ pub mod produce;
 pub mod promote;
 pub mod proto;
 pub mod read;
+pub mod rebuild;
 pub mod retry;
 pub mod routing;
 pub mod run;
@@ -73,4 +80,5 @@ pub mod security;
 pub mod serve;
 pub mod slots;
 pub mod store;
+pub mod verify;
 pub mod versions;

@@ -17,9 +17,12 @@ use crate::versions::{Published, Trigger};
 pub struct RouteArgs {
     /// The post.
     pub post_id: u64,
-    /// Buckets of the new version (promote: default 64; demote: default --buckets).
-    #[arg(long = "to-buckets", value_name = "N")]
+    /// Buckets of the new version (promote: default 64; demote: default --default-buckets).
+    #[arg(long = "buckets", value_name = "N")]
     pub to_buckets: Option<u32>,
+    /// Buckets of a post without routing metadata (what `tally run --buckets` says).
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
+    pub default_buckets: u32,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -39,12 +42,15 @@ pub async fn route_command(args: &RouteArgs, direction: Direction) -> Result<Str
     let buckets = match (direction, args.to_buckets) {
         (_, Some(n)) => n,
         (Direction::Promote, None) => 64,
-        (Direction::Demote, None) => args.store.buckets,
+        (Direction::Demote, None) => args.default_buckets,
     };
     if buckets == 0 || buckets > 1 << 16 {
-        bail!("--to-buckets must be between 1 and 65536");
+        bail!("--buckets must be between 1 and 65536");
     }
-    let (_, _, routes) = args.store.connect().await?;
+    let (store, base, _) = args.store.connect(args.default_buckets).await?;
+    // Routing changes go to the generation writers use now.
+    let keys = crate::generation::current_layout(&store, &base).await?;
+    let routes = crate::versions::Routes::new(store, keys, args.default_buckets);
     let table = routes.fetch().await?;
     let latest = table.latest(args.post_id);
     match direction {

@@ -19,6 +19,13 @@
 //!
 //! A per-process cache keeps each count for `ttl` (default 1 s); concurrent
 //! misses of the same post wait for one fetch instead of each sending their own.
+//!
+//! Generations: a read sums the generation the pointer names (see
+//! [`crate::generation`]), read at most [`POINTER_TTL`] (or `ttl`, if
+//! shorter) before; a reader never goes back to an older generation than one
+//! it has read. A rebuild moves the pointer only to a generation at or past
+//! every fence of the old one while the old one is frozen, so a post that only
+//! gains likes never reads lower after the switch than before it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,10 +39,14 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::apply::{ConnectError, redact_url};
+use crate::generation;
 use crate::routing::{CounterId, KeyLayout};
 use crate::slots::{SlotGroups, key_slot};
 use crate::store::{Shared, Target};
 use crate::versions::{PostMeta, READ_DEADLINE, Routes, wall_ms};
+
+/// How long a reader trusts the generation pointer it read.
+pub const POINTER_TTL: Duration = Duration::from_secs(1);
 
 /// Where counts live: the settings every command touching Redis shares with `tally run`.
 #[derive(Debug, Clone, Args)]
@@ -46,23 +57,25 @@ pub struct StoreArgs {
     /// Key prefix (as `tally run --prefix`).
     #[arg(long, env = "TALLY_PREFIX", default_value = crate::config::DEFAULT_PREFIX)]
     pub prefix: String,
-    /// Buckets of a post without routing metadata (as `tally run --buckets`).
-    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
-    pub buckets: u32,
     /// Slot groups on a cluster (as `tally run --slot-groups`).
     #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
     pub slot_groups: u32,
 }
 
 impl StoreArgs {
-    /// Connects, and returns the store, the key layout and the routes.
-    pub async fn connect(&self) -> Result<(Shared, KeyLayout, Routes), ConnectError> {
+    /// Connects, and returns the store, the key layout and the routes
+    /// (`default_buckets`: buckets of a post without routing metadata).
+    pub async fn connect(
+        &self,
+        default_buckets: u32,
+    ) -> Result<(Shared, KeyLayout, Routes), ConnectError> {
         let shown = redact_url(&self.redis);
         let target = Target::parse(&self.redis).map_err(|problem| ConnectError::BadUrl {
             url: shown.clone(),
             problem,
         })?;
-        if self.buckets == 0 || !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384 {
+        if default_buckets == 0 || !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384
+        {
             return Err(ConnectError::BadUrl {
                 url: shown,
                 problem:
@@ -85,7 +98,7 @@ impl StoreArgs {
             .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
             .await
             .map_err(unreachable)?;
-        let routes = Routes::new(store.clone(), keys.clone(), self.buckets);
+        let routes = Routes::new(store.clone(), keys.clone(), default_buckets);
         Ok((store, keys, routes))
     }
 }
@@ -129,7 +142,10 @@ pub struct Reader {
 
 struct Inner {
     store: Shared,
-    keys: KeyLayout,
+    /// The layout under the base prefix; each generation's is derived from it.
+    base: KeyLayout,
+    /// The generation last read, its layout, and when.
+    layout: Mutex<(u64, KeyLayout, Option<Instant>)>,
     default_buckets: u32,
     ttl: Duration,
     cache: Mutex<FxHashMap<u64, (Count, Instant)>>,
@@ -155,11 +171,14 @@ impl Drop for Leading<'_> {
 
 impl Reader {
     /// A reader over `store`, caching counts for `ttl` (zero: no cache).
+    /// `keys` is the layout under the base prefix (`--prefix`); counts are
+    /// read from the generation the pointer names.
     pub fn new(store: Shared, keys: KeyLayout, default_buckets: u32, ttl: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
                 store,
-                keys,
+                layout: Mutex::new((0, keys.clone(), None)),
+                base: keys,
                 default_buckets,
                 ttl,
                 cache: Mutex::new(FxHashMap::default()),
@@ -167,6 +186,47 @@ impl Reader {
                 fetches: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// The layout of the current generation, from the pointer read at most
+    /// `min(ttl, POINTER_TTL)` ago; never one older than a layout already used.
+    pub async fn layout(&self) -> Result<(u64, KeyLayout), RedisError> {
+        let inner = &self.inner;
+        {
+            let layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(at) = layout.2
+                && at.elapsed() < inner.ttl.min(POINTER_TTL)
+            {
+                return Ok((layout.0, layout.1.clone()));
+            }
+        }
+        let read_at = Instant::now();
+        let pointer = generation::read_pointer(&inner.store, inner.base.prefix()).await?;
+        let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
+        if pointer.current >= layout.0 || layout.2.is_none() {
+            let prefix = generation::prefix_of(inner.base.prefix(), pointer.current);
+            *layout = (
+                pointer.current,
+                inner.base.with_prefix(prefix),
+                Some(read_at),
+            );
+        }
+        Ok((layout.0, layout.1.clone()))
+    }
+
+    /// Every key a read of `post_id` sums now, and the generation's prefix.
+    pub async fn summed_keys(&self, post_id: u64) -> Result<(String, Vec<String>), ReadError> {
+        let (_, keys) = self.layout().await?;
+        let route = keys.route_key(post_id);
+        let fields: Vec<(String, String)> = self
+            .inner
+            .store
+            .call(
+                |mut s| async move { redis::cmd("HGETALL").arg(&route).query_async(&mut s).await },
+            )
+            .await?;
+        let meta = PostMeta::from_fields(&fields, self.inner.default_buckets);
+        Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
     }
 
     /// Fetches sent to Redis so far (each one or two pipelines, for any number of posts).
@@ -274,19 +334,15 @@ impl Reader {
     async fn fetch_once(&self, posts: &[u64]) -> Result<Vec<Count>, RedisError> {
         let inner = &self.inner;
         let as_of_ms = wall_ms();
+        let (_, keys) = self.layout().await?;
         let default = PostMeta::from_fields(&[], inner.default_buckets);
         let per_post = inner.default_buckets as usize;
         let mut first: Vec<KeyCommand> = posts
             .iter()
-            .map(|&p| (inner.keys.route_key(p), "HGETALL"))
+            .map(|&p| (keys.route_key(p), "HGETALL"))
             .collect();
         for &post in posts {
-            first.extend(
-                default
-                    .keys(&inner.keys, post)
-                    .into_iter()
-                    .map(|k| (k, "GET")),
-            );
+            first.extend(default.keys(&keys, post).into_iter().map(|k| (k, "GET")));
         }
         let mut replies = self.query(first).await?;
         let values = replies.split_off(posts.len());
@@ -312,7 +368,7 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, (inner.keys.key_of(id), "GET")));
+                    extra.push((i, (keys.key_of(id), "GET")));
                 }
             }
             counts.push(Count {
@@ -343,7 +399,7 @@ impl Reader {
         };
         let indexed: Vec<(usize, &KeyCommand)> = commands.iter().enumerate().collect();
         let mut by_slot: BTreeMap<u16, Vec<(usize, &KeyCommand)>> = BTreeMap::new();
-        if self.inner.keys.groups().is_cluster() {
+        if self.inner.base.groups().is_cluster() {
             for item in indexed {
                 by_slot
                     .entry(key_slot(item.1.0.as_bytes()))
@@ -380,6 +436,12 @@ pub struct CountArgs {
     /// Print JSON (one object per post, in a list) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also print the current generation's key prefix and every key summed.
+    #[arg(long)]
+    pub show_keys: bool,
+    /// Buckets of a post without routing metadata (as `tally run --buckets`).
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
+    pub buckets: u32,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -387,15 +449,29 @@ pub struct CountArgs {
 
 /// Runs `tally count`: the counts as a table or as JSON.
 pub async fn count_command(args: &CountArgs) -> anyhow::Result<String> {
-    let (store, keys, _) = args.store.connect().await?;
-    let reader = Reader::new(store, keys, args.store.buckets, Duration::ZERO);
+    let (store, keys, _) = args.store.connect(args.buckets).await?;
+    let reader = Reader::new(store, keys, args.buckets, Duration::ZERO);
     let counts = reader.counts(&args.post_ids).await?;
     if args.json {
         return Ok(serde_json::to_string_pretty(&counts)? + "\n");
     }
     let mut out = format!("{:>20}  {:>14}\n", "post", "likes");
-    for count in counts {
+    for count in &counts {
         out.push_str(&format!("{:>20}  {:>14}\n", count.post_id, count.likes));
+    }
+    if args.show_keys {
+        let (generation, _) = reader.layout().await?;
+        for count in &counts {
+            let (prefix, keys) = reader.summed_keys(count.post_id).await?;
+            out.push_str(&format!(
+                "\npost {}: generation {generation}, prefix {prefix}, {} keys summed (plus the route hash's base):\n",
+                count.post_id,
+                keys.len()
+            ));
+            for key in keys {
+                out.push_str(&format!("  {key}\n"));
+            }
+        }
     }
     Ok(out)
 }

@@ -116,6 +116,12 @@ impl KeyLayout {
         }
     }
 
+    /// The same layout under another prefix (a key generation, see
+    /// [`crate::generation`]).
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Self {
+        Self::with_groups(prefix, self.groups.clone())
+    }
+
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix

@@ -17,7 +17,11 @@
 //! * a revoked partition's buffer is dropped; a batch already in flight may
 //!   finish (the fence keeps it exact) but is never committed by this owner;
 //! * everything is bounded: a partition whose batch is full and still waiting
-//!   stops the consumer from fetching until Redis catches up.
+//!   stops the consumer from fetching until Redis catches up;
+//! * (live mode) no batch is dispatched while the freeze flag names the next
+//!   generation, and when the generation pointer moves, every batch in flight
+//!   finishes before the keys change; every owned partition then restarts at
+//!   its fences in the new generation (see [`crate::rebuild`] for the cut-over).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -42,12 +46,15 @@ use crate::consume::{self, LikeConsumer, Rebalanced, TallyContext, TopicError};
 use crate::dead_letter::{DeadLetter, DeadLetters, Pending};
 use crate::decode::decode;
 use crate::fence::{Decision, Reply, Tracker};
+use crate::generation::{self, GenerationWatch};
 use crate::hot::{Detector, Policy};
 use crate::metrics::{self, Stats};
 use crate::routing::KeyLayout;
 use crate::slots::SlotGroups;
 use crate::store::Target;
 use crate::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
+
+mod follow;
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +79,44 @@ pub enum RunError {
         /// The error.
         source: ApplyError,
     },
+}
+
+/// How a pipeline names its consumer group and its keys.
+#[derive(Debug, Clone)]
+pub struct Mode {
+    /// The Kafka consumer group id. Fences are always kept under
+    /// `--group`; a rebuild reads with a group of its own but writes the live
+    /// group's fences in its generation.
+    pub kafka_group: String,
+    /// Write under this key prefix for the whole run; `None` follows the
+    /// generation pointer (and the freeze flag), as `tally run` does.
+    pub fixed_prefix: Option<String>,
+}
+
+impl Mode {
+    /// `tally run`: the group is `--group`, the keys follow the pointer.
+    pub fn live(config: &RunConfig) -> Self {
+        Self {
+            kafka_group: config.group.clone(),
+            fixed_prefix: None,
+        }
+    }
+}
+
+/// A live pipeline's generation: the one it writes, and the freeze it honours.
+struct Following {
+    watch: GenerationWatch,
+    current: u64,
+    /// Since when new batches are held for a freeze.
+    frozen_since: Option<Instant>,
+}
+
+impl Following {
+    /// Whether new batches are held: the freeze was seen on a tick, or the
+    /// watch has read it since (ticks wait while messages keep arriving).
+    fn frozen(&self) -> bool {
+        self.frozen_since.is_some() || self.watch.current().frozen_for.is_some()
+    }
 }
 
 /// A partition this consumer owns.
@@ -214,6 +259,17 @@ pub async fn run(
     stats: Arc<Stats>,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    let mode = Mode::live(&config);
+    run_with(config, mode, stats, shutdown).await
+}
+
+/// Runs the pipeline in `mode` until `shutdown` is cancelled or a fatal error.
+pub async fn run_with(
+    config: RunConfig,
+    mode: Mode,
+    stats: Arc<Stats>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
     config.validate()?;
     let shown = crate::apply::redact_url(&config.redis);
     let target = Target::parse(&config.redis).map_err(|problem| ConnectError::BadUrl {
@@ -225,14 +281,44 @@ pub async fn run(
     } else {
         SlotGroups::single()
     };
-    let keys = KeyLayout::with_groups(&config.prefix, groups);
+    let base = KeyLayout::with_groups(&config.prefix, groups);
     let applier =
-        Applier::connect(&config.redis, keys.clone(), &config.group, &config.topic).await?;
+        Applier::connect(&config.redis, base.clone(), &config.group, &config.topic).await?;
+    let unreadable = |source| ConnectError::Unreachable {
+        url: shown.clone(),
+        source,
+    };
+    let following = match &mode.fixed_prefix {
+        Some(_) => None,
+        None => {
+            let watch = GenerationWatch::start(
+                applier.store().clone(),
+                config.prefix.clone(),
+                Duration::from_millis(config.route_refresh_ms),
+                shutdown.child_token(),
+            )
+            .await
+            .map_err(unreadable)?;
+            Some(Following {
+                current: watch.current().current,
+                watch,
+                frozen_since: None,
+            })
+        }
+    };
+    let prefix = match (&mode.fixed_prefix, &following) {
+        (Some(prefix), _) => prefix.clone(),
+        (None, Some(f)) => generation::prefix_of(&config.prefix, f.current),
+        (None, None) => unreachable!("a live pipeline follows the pointer"),
+    };
+    let keys = base.with_prefix(prefix);
+    let applier = applier.with_keys(keys.clone());
+    let route_stop = shutdown.child_token();
     let routes = Routes::new(applier.store().clone(), keys.clone(), config.buckets);
     let watch = RouteWatch::start(
         routes.clone(),
         Duration::from_millis(config.route_refresh_ms),
-        shutdown.child_token(),
+        route_stop.clone(),
     )
     .await
     .map_err(|source| ConnectError::Unreachable {
@@ -248,7 +334,7 @@ pub async fn run(
         })?;
     let consumer = consume::create_consumer(
         &config.brokers,
-        &config.group,
+        &mode.kafka_group,
         &config.kafka_settings(),
         TallyContext::new(&config.topic, fences),
     )?;
@@ -270,9 +356,10 @@ pub async fn run(
     info!(
         topic = %config.topic,
         partitions,
-        group = %config.group,
+        group = %mode.kafka_group,
+        fence_group = %config.group,
         buckets = config.buckets,
-        prefix = %config.prefix,
+        prefix = %applier.keys().prefix(),
         promote_above = config.promote_above,
         routed_posts = watch.current().routed_posts(),
         "Consuming."
@@ -296,6 +383,8 @@ pub async fn run(
         routes,
         table: watch.current(),
         watch,
+        route_stop,
+        following,
         detector,
         sharing: None,
         dead_letters,
@@ -320,6 +409,10 @@ struct Pipeline {
     applier: Applier,
     routes: Routes,
     watch: RouteWatch,
+    /// Stops `watch`'s refresh task when the generation changes.
+    route_stop: CancellationToken,
+    /// `None` when the keys are fixed for the run (a rebuild).
+    following: Option<Following>,
     /// The registry view events are routed with; replaced by a newer one on
     /// every tick, and before any event it is too old for.
     table: Arc<RouteTable>,
@@ -376,6 +469,7 @@ impl Pipeline {
                     }
                 }
                 _ = tick.tick() => {
+                    self.follow_generation(shutdown).await?;
                     self.table = self.watch.current();
                     self.detect();
                     self.retry_seeks();
@@ -549,9 +643,12 @@ impl Pipeline {
     }
 
     /// Sends a partition's batch (or, when it has none, a probe of its fences)
-    /// to Redis if the partition is idle and a slot is free.
+    /// to Redis if the partition is idle, a slot is free and no freeze holds.
     fn dispatch(&mut self, partition: i32) {
-        if self.busy.contains(&partition) || self.busy.len() >= self.config.max_in_flight {
+        if self.busy.contains(&partition)
+            || self.busy.len() >= self.config.max_in_flight
+            || self.following.as_ref().is_some_and(Following::frozen)
+        {
             return;
         }
         let Some(state) = self.owned.get_mut(&partition) else {

@@ -39,6 +39,9 @@ pub struct ServeArgs {
     /// How long a count is served from the cache (milliseconds; 0 turns the cache off).
     #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = 1_000)]
     pub cache_ttl_ms: u64,
+    /// Buckets of a post without routing metadata (as `tally run --buckets`).
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
+    pub buckets: u32,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -119,11 +122,11 @@ pub fn router(reader: Reader) -> Router {
 
 /// Runs `tally serve` until `shutdown`.
 pub async fn serve(args: ServeArgs, shutdown: CancellationToken) -> Result<()> {
-    let (store, keys, _) = args.store.connect().await?;
+    let (store, keys, _) = args.store.connect(args.buckets).await?;
     let reader = Reader::new(
         store,
         keys,
-        args.store.buckets,
+        args.buckets,
         Duration::from_millis(args.cache_ttl_ms),
     );
     let listener = tokio::net::TcpListener::bind(args.listen)

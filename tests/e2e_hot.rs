@@ -178,15 +178,37 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
         "4",
     ];
     let hot = HOT.to_string();
-    let demoted = tally_cli(&[&["demote", &hot, "--to-buckets", "2"], &common[..]].concat());
+    let route = ["--default-buckets", "4"];
+    let demoted = tally_cli(
+        &[
+            &["demote", &hot, "--buckets", "2"],
+            &common[..4],
+            &route[..],
+        ]
+        .concat(),
+    );
     assert!(demoted.status.success(), "demote: {demoted:?}");
-    let refused = tally_cli(&[&["promote", &hot, "--to-buckets", "2"], &common[..]].concat());
+    let refused = tally_cli(
+        &[
+            &["promote", &hot, "--buckets", "2"],
+            &common[..4],
+            &route[..],
+        ]
+        .concat(),
+    );
     assert!(
         !refused.status.success(),
         "promoting to 2 buckets again must be refused"
     );
     thread::sleep(Duration::from_secs(7));
-    let promoted = tally_cli(&[&["promote", &hot, "--to-buckets", "48"], &common[..]].concat());
+    let promoted = tally_cli(
+        &[
+            &["promote", &hot, "--buckets", "48"],
+            &common[..4],
+            &route[..],
+        ]
+        .concat(),
+    );
     assert!(promoted.status.success(), "promote: {promoted:?}");
     thread::sleep(Duration::from_secs(2));
     // A crash while writers are about to switch: its partitions are replayed by the other

@@ -47,6 +47,28 @@ enum Command {
     Demote(tally::promote::RouteArgs),
     /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
     Plan(Box<tally::plan::PlanArgs>),
+    /// Recount the topic into a new key generation and switch to it when caught up.
+    Rebuild(Box<RebuildCommand>),
+    /// Recount the topic in memory and compare with the stored counts; exits 1 on drift.
+    Verify(Box<VerifyCommand>),
+    /// Remove key generations older than the current one, after a grace period.
+    Gc(tally::gc::GcArgs),
+}
+
+#[derive(clap::Args)]
+struct RebuildCommand {
+    #[command(flatten)]
+    rebuild: tally::rebuild::RebuildArgs,
+    #[command(flatten)]
+    run: RunConfig,
+}
+
+#[derive(clap::Args)]
+struct VerifyCommand {
+    #[command(flatten)]
+    verify: tally::verify::VerifyArgs,
+    #[command(flatten)]
+    run: RunConfig,
 }
 
 #[derive(Subcommand)]
@@ -77,6 +99,7 @@ fn main() -> ExitCode {
     let run_matches = match matches.subcommand() {
         Some(("run", m)) => Some(m),
         Some(("config", m)) => m.subcommand_matches("print"),
+        Some(("rebuild", m)) | Some(("verify", m)) => Some(m),
         _ => None,
     };
     // The demo draws a table on stdout; keep its log to what needs attention.
@@ -90,8 +113,10 @@ fn main() -> ExitCode {
         | Command::Promote(_)
         | Command::Demote(_)
         | Command::Config(_)
-        | Command::Plan(_) => "warn",
-        Command::Run(_) | Command::Serve(_) => "info,rdkafka=warn",
+        | Command::Plan(_)
+        | Command::Verify(_)
+        | Command::Gc(_) => "warn",
+        Command::Run(_) | Command::Serve(_) | Command::Rebuild(_) => "info,rdkafka=warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -180,6 +205,30 @@ fn main() -> ExitCode {
             Command::Plan(args) => tally::plan::report(&args)
                 .map(|report| print!("{report}"))
                 .map_err(|e| e.to_string()),
+            Command::Rebuild(command) => {
+                let config = settings(run_matches.expect("rebuild has settings"))?;
+                let shutdown = CancellationToken::new();
+                tokio::spawn(on_signal(shutdown.clone()));
+                tally::rebuild::rebuild_command(config, command.rebuild, shutdown)
+                    .await
+                    .map(|out| print!("{out}"))
+                    .map_err(|e| format!("{e:#}"))
+            }
+            Command::Verify(command) => {
+                let config = settings(run_matches.expect("verify has settings"))?;
+                let report = tally::verify::verify_command(config, command.verify)
+                    .await
+                    .map_err(|e| format!("{e:#}"))?;
+                print!("{}", report.text);
+                match report.drifted {
+                    0 => Ok(()),
+                    n => Err(format!("{n} posts differ from the topic")),
+                }
+            }
+            Command::Gc(args) => tally::gc::gc_command(&args)
+                .await
+                .map(|out| print!("{out}"))
+                .map_err(|e| format!("{e:#}")),
         }
     });
     match result {

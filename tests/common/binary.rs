@@ -67,6 +67,11 @@ impl Tally {
 
     /// `name` labels progress lines and log tails (e.g. "consumer-a").
     pub fn spawn_named(name: &str, args: &[&str]) -> Tally {
+        Self::spawn_command(name, "run", args)
+    }
+
+    /// `tally <command> args...`, e.g. a `rebuild` the test may SIGKILL.
+    pub fn spawn_command(name: &str, command: &str, args: &[&str]) -> Tally {
         let dir = log_dir("tally-");
         let log = dir.path().join(format!("{name}.log"));
         let file = File::create(&log).expect("create tally log");
@@ -74,7 +79,7 @@ impl Tally {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")));
         let mut cmd = Command::new(bin);
-        cmd.arg("run")
+        cmd.arg(command)
             .args(args)
             .current_dir(dir.path())
             .stdout(file.try_clone().unwrap())

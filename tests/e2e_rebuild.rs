@@ -1,0 +1,511 @@
+//! Rebuild and verify against a real broker and redis-server, with ground truth computed here:
+//!
+//! * a rebuild while live traffic flows, SIGKILLed half-way and started again; after the switch
+//!   every count is exact, the live consumer kept counting through it with a short pause, and a
+//!   reader polling a likes-only hot post never saw it go down, nor below the old generation's
+//!   value once the pointer had moved;
+//! * FLUSHALL, then a rebuild restores every count, and `tally run` carries on in the new
+//!   generation; a later rebuild, killed and aborted, leaves no key behind;
+//! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rand::{Rng, SeedableRng};
+
+const HOT: u64 = 424_242_424;
+const HOT_PER_ROUND: usize = 20;
+
+fn tally_cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(args)
+        .output()
+        .expect("run tally")
+}
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn pointer(conn: &mut redis::Connection, prefix: &str) -> u64 {
+    let current: Option<u64> = redis::cmd("HGET")
+        .arg(format!("{prefix}:generation"))
+        .arg("current")
+        .query(conn)
+        .unwrap();
+    current.unwrap_or(0)
+}
+
+/// Offsets applied so far per partition under `prefix` (fence + 1, 0 where absent).
+fn applied(conn: &mut redis::Connection, prefix: &str, run: &Scenario, n: usize) -> Vec<i64> {
+    read_fences(conn, prefix, &run.group, &run.topic, n)
+        .into_iter()
+        .map(|f| f.map_or(0, |f| f + 1))
+        .collect()
+}
+
+/// Waits for a spawned command to exit and returns whether it succeeded.
+fn wait_exit(tally: &mut Tally, timeout: Duration) -> bool {
+    let status = wait_for("the command to exit", timeout, || tally.try_status());
+    status.success()
+}
+
+/// The number after `field=` on the last log line holding `needle`.
+fn logged_field(log: &str, needle: &str, field: &str) -> Option<u64> {
+    let line = log.lines().rev().find(|l| l.contains(needle))?;
+    let at = line.find(&format!("{field}="))? + field.len() + 1;
+    line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .ok()
+}
+
+#[test]
+fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
+    const PARTITIONS: i32 = 4;
+    const BACKLOG: usize = 40_000;
+    let run = Scenario::new("e2e_rebuild_live", "rbl", PARTITIONS);
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let mut conn = redis.conn();
+    let tuning = ["--buckets", "4", "--route-refresh-ms", "200"].map(String::from);
+
+    let mut workload = Workload::new(run.seed, PARTITIONS);
+    let backlog = workload.grow(BACKLOG);
+    produce(&run.brokers, &run.topic, workload.messages(backlog));
+    let mut live_args = run.tally_args(&url);
+    live_args.extend(tuning.clone());
+    live_args.extend(["--promote-above", "0"].map(String::from));
+    let mut live = Tally::spawn_args("live", &live_args);
+    let hwms = run.hwms(BACKLOG);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        live.assert_running()
+    });
+
+    // Live traffic from here on: background events, and likes of the hot post only.
+    let background = run.stream(workload, 100, Duration::from_millis(100));
+    let stop = Arc::new(AtomicBool::new(false));
+    let hot_likes = Arc::new(AtomicU64::new(0));
+    let hot_producer = {
+        let (brokers, topic, stop, hot_likes) = (
+            run.brokers.clone(),
+            run.topic.clone(),
+            stop.clone(),
+            hot_likes.clone(),
+        );
+        let mut rng = rand::rngs::StdRng::seed_from_u64(run.seed ^ 0x407);
+        thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let messages: Vec<Msg> = (0..HOT_PER_ROUND)
+                    .map(|i| {
+                        let value = encode_like(HOT, rng.random(), LIKE, now_ms());
+                        (None, value, (i as i32) % PARTITIONS)
+                    })
+                    .collect();
+                produce(&brokers, &topic, messages);
+                hot_likes.fetch_add(HOT_PER_ROUND as u64, Ordering::SeqCst);
+                thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+
+    // A reader polls the hot post through the library, noting the pointer it saw before each read.
+    let samples: Arc<Mutex<Vec<(u64, i64)>>> = Arc::default();
+    let reader = {
+        let (url, prefix, stop, samples) = (
+            url.clone(),
+            run.prefix.clone(),
+            stop.clone(),
+            samples.clone(),
+        );
+        let mut conn = redis.conn();
+        thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let target = tally::store::Target::parse(&url).unwrap();
+            let store = rt.block_on(tally::store::Shared::connect(&target)).unwrap();
+            let keys = tally::routing::KeyLayout::new(prefix.clone());
+            let reader = tally::read::Reader::new(store, keys, 4, Duration::ZERO);
+            let mut last = i64::MIN;
+            while !stop.load(Ordering::SeqCst) {
+                let generation = pointer(&mut conn, &prefix);
+                let likes = rt.block_on(reader.count(HOT)).expect("reader count").likes;
+                assert!(
+                    likes >= last,
+                    "the hot post went down from {last} to {likes} (pointer {generation})"
+                );
+                last = likes;
+                samples.lock().unwrap().push((generation, likes));
+                thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+
+    // The rebuild, killed when it has done about a third of the backlog.
+    let mut rebuild_args = run.tally_args(&url);
+    rebuild_args.extend(tuning.clone());
+    // Small batches, one at a time, each held a little: slow enough to kill it half-way.
+    rebuild_args.extend(
+        [
+            "--batch-max-events",
+            "300",
+            "--max-in-flight",
+            "1",
+            "--test-script-pause-ms",
+            "25",
+        ]
+        .map(String::from),
+    );
+    let rebuild_refs: Vec<&str> = rebuild_args.iter().map(String::as_str).collect();
+    let g1 = format!("{}:g1", run.prefix);
+    let mut first = Tally::spawn_command("rebuild-1", "rebuild", &rebuild_refs);
+    let started = Instant::now();
+    wait_for(
+        "the rebuild to get a third of the way",
+        Duration::from_secs(120),
+        || {
+            first.assert_running();
+            let done: i64 = applied(&mut conn, &g1, &run, PARTITIONS as usize)
+                .iter()
+                .sum();
+            (done >= BACKLOG as i64 / 3).then_some(done)
+        },
+    );
+    first.kill9();
+    let done: i64 = applied(&mut conn, &g1, &run, PARTITIONS as usize)
+        .iter()
+        .sum();
+    eprintln!(
+        "[e2e_rebuild] rebuild killed after {:.1} s with {done} offsets applied",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        pointer(&mut conn, &run.prefix),
+        0,
+        "killed before the switch"
+    );
+    assert!(
+        done < BACKLOG as i64,
+        "the rebuild finished before it could be killed"
+    );
+    thread::sleep(Duration::from_secs(1));
+    live.assert_running();
+
+    let mut second = Tally::spawn_command("rebuild-2", "rebuild", &rebuild_refs);
+    assert!(
+        wait_exit(&mut second, Duration::from_secs(240)),
+        "the resumed rebuild failed:\n{}",
+        second.log_tail(40)
+    );
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    let second_log = second.log_text();
+    assert!(
+        second_log.contains("Resuming the unfinished rebuild"),
+        "{second_log}"
+    );
+    // The old generation no longer moves: its hot-post count is its value at the switch.
+    let old_final = read_counts(&mut conn, &run.prefix)
+        .get(&HOT)
+        .copied()
+        .unwrap_or(0);
+
+    // Traffic goes on for a while in generation 1, then stops; everything must be exact.
+    thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::SeqCst);
+    hot_producer.join().unwrap();
+    reader.join().expect("reader thread");
+    let workload = background.stop();
+    let mut truth: HashMap<u64, i64> = workload.truth.clone();
+    let hot_total = hot_likes.load(Ordering::SeqCst) as i64;
+    *truth.entry(HOT).or_insert(0) += hot_total;
+    let hwms = run.hwms(workload.events.len() + hot_total as usize);
+    wait_applied_while(
+        &mut conn,
+        &g1,
+        &run.group,
+        &run.topic,
+        &hwms,
+        Duration::from_secs(120),
+        || live.assert_running(),
+    );
+    assert_counts_eq(&read_counts(&mut conn, &g1), &truth);
+
+    let samples = samples.lock().unwrap().clone();
+    let after: Vec<i64> = samples
+        .iter()
+        .filter(|(g, _)| *g == 1)
+        .map(|&(_, v)| v)
+        .collect();
+    eprintln!(
+        "[e2e_rebuild] {} reads, {} after the switch; old generation ended at {old_final}, hot post {}",
+        samples.len(),
+        after.len(),
+        truth[&HOT]
+    );
+    assert!(samples.iter().any(|(g, _)| *g == 0) && !after.is_empty());
+    assert!(
+        after.iter().all(|&v| v >= old_final),
+        "a read after the switch was below the old generation's {old_final}: {:?}",
+        after.iter().min()
+    );
+
+    // The live consumer switched once, paused briefly, and kept counting.
+    let live_log = live.log_text();
+    let paused = logged_field(&live_log, "Switched to generation.", "paused_ms")
+        .unwrap_or_else(|| panic!("no switch in the live log:\n{}", live.log_tail(40)));
+    eprintln!("[e2e_rebuild] live consumer paused {paused} ms for the switch");
+    assert!(
+        live_log.contains("Freeze: holding new batches"),
+        "{live_log}"
+    );
+    assert!(paused < 5_000, "the live pause was {paused} ms");
+
+    // Readers agree, verify finds no drift, and gc drops generation 0 only after its grace.
+    let common = [
+        "--redis",
+        url.as_str(),
+        "--prefix",
+        run.prefix.as_str(),
+        "--buckets",
+        "4",
+    ];
+    let out = tally_cli(&[&["count", &HOT.to_string(), "--show-keys"], &common[..]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let shown = text(&out);
+    assert!(shown.contains(&truth[&HOT].to_string()) && shown.contains(&format!("prefix {g1}")));
+    let verify_args: Vec<&str> = ["verify"]
+        .into_iter()
+        .chain(rebuild_refs.iter().copied())
+        .collect();
+    let out = tally_cli(&verify_args);
+    assert!(out.status.success(), "verify: {}", text(&out));
+    let out = tally_cli(&[&["gc", "--grace-secs", "3600"], &common[..]].concat());
+    assert!(
+        out.status.success() && text(&out).contains("stay until"),
+        "{}",
+        text(&out)
+    );
+    assert!(!read_counts(&mut conn, &run.prefix).is_empty());
+    let out = tally_cli(&[&["gc", "--grace-secs", "0"], &common[..]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    eprintln!("[e2e_rebuild] gc: {}", text(&out).trim());
+    assert!(read_counts(&mut conn, &run.prefix).is_empty());
+    assert_counts_eq(&read_counts(&mut conn, &g1), &truth);
+    let status = live.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success());
+}
+
+#[test]
+fn flushall_then_rebuild_restores_every_count() {
+    const PARTITIONS: i32 = 3;
+    let run = Scenario::new("e2e_rebuild_flush", "rbf", PARTITIONS);
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let mut conn = redis.conn();
+    let mut workload = Workload::new(run.seed, PARTITIONS);
+    let first = workload.grow(8_000);
+    produce(&run.brokers, &run.topic, workload.messages(first));
+    let args = run.tally_args(&url);
+    let mut live = Tally::spawn_args("live", &args);
+    let hwms = run.hwms(8_000);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        live.assert_running()
+    });
+    assert!(live.sigterm_and_wait(Duration::from_secs(20)).success());
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    assert!(read_counts(&mut conn, &run.prefix).is_empty());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &refs);
+    assert!(
+        wait_exit(&mut rebuild, Duration::from_secs(180)),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    let g1 = format!("{}:g1", run.prefix);
+    assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
+
+    // The library's reader follows the pointer.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt
+        .block_on(tally::store::Shared::connect(
+            &tally::store::Target::parse(&url).unwrap(),
+        ))
+        .unwrap();
+    let reader = tally::read::Reader::new(
+        store,
+        tally::routing::KeyLayout::new(run.prefix.clone()),
+        16,
+        Duration::from_secs(1),
+    );
+    let posts: Vec<u64> = workload.truth.keys().copied().collect();
+    for count in rt.block_on(reader.counts(&posts)).unwrap() {
+        assert_eq!(count.likes, workload.truth[&count.post_id]);
+    }
+    assert!(
+        rebuild.log_text().contains("Rebuild progress"),
+        "{}",
+        rebuild.log_tail(20)
+    );
+    let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
+    assert!(
+        text(&out).contains("no unfinished rebuild"),
+        "{}",
+        text(&out)
+    );
+
+    // A second rebuild, stopped early and aborted, leaves generation 1 as it was.
+    let slow: Vec<&str> = refs
+        .iter()
+        .copied()
+        .chain(["--batch-max-events", "100", "--test-script-pause-ms", "200"])
+        .collect();
+    let mut doomed = Tally::spawn_command("rebuild-aborted", "rebuild", &slow);
+    let g2 = format!("{}:g2", run.prefix);
+    wait_for(
+        "the second rebuild to apply",
+        Duration::from_secs(60),
+        || {
+            doomed.assert_running();
+            (applied(&mut conn, &g2, &run, PARTITIONS as usize)
+                .iter()
+                .sum::<i64>()
+                > 0)
+            .then_some(())
+        },
+    );
+    doomed.kill9();
+    let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
+    assert!(
+        text(&out).contains("dropped generation 2"),
+        "{}",
+        text(&out)
+    );
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{g2}:*"))
+        .query(&mut conn)
+        .unwrap();
+    assert!(left.is_empty(), "{left:?}");
+    let record: bool = redis::cmd("EXISTS")
+        .arg(format!("{}:rebuild", run.prefix))
+        .query(&mut conn)
+        .unwrap();
+    assert!(!record);
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
+
+    // `tally run` starts in generation 1 and carries on from its fences.
+    let mut live = Tally::spawn_args("live-2", &args);
+    let more = workload.grow(2_000);
+    produce(&run.brokers, &run.topic, workload.messages(more));
+    let hwms = run.hwms(10_000);
+    wait_applied_while(
+        &mut conn,
+        &g1,
+        &run.group,
+        &run.topic,
+        &hwms,
+        Duration::from_secs(120),
+        || live.assert_running(),
+    );
+    assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
+    assert!(read_counts(&mut conn, &run.prefix).is_empty());
+}
+
+#[test]
+fn verify_reports_exactly_the_corrupted_post() {
+    const PARTITIONS: i32 = 3;
+    let run = Scenario::new("e2e_verify", "vfy", PARTITIONS);
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let mut conn = redis.conn();
+    let workload = Workload::generate(run.seed, 6_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        workload.messages(0..workload.events.len()),
+    );
+    let args = run.tally_args(&url);
+    let mut live = Tally::spawn_args("live", &args);
+    let hwms = run.hwms(6_000);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        live.assert_running()
+    });
+    let verify: Vec<&str> = ["verify"]
+        .into_iter()
+        .chain(args.iter().map(String::as_str))
+        .collect();
+
+    let clean = tally_cli(&verify);
+    assert!(clean.status.success(), "verify: {}", text(&clean));
+    assert!(text(&clean).contains("; 0 drift"), "{}", text(&clean));
+
+    // Corrupt one bucket of one post (not the viral one).
+    let victim = *workload
+        .truth
+        .iter()
+        .filter(|&(&p, &n)| p != workload.viral_post && n > 0)
+        .map(|(p, _)| p)
+        .min()
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:likes:{victim}:*", run.prefix))
+        .query(&mut conn)
+        .unwrap();
+    let _: i64 = redis::cmd("INCRBY")
+        .arg(&keys[0])
+        .arg(7)
+        .query(&mut conn)
+        .unwrap();
+    let drift = tally_cli(&verify);
+    let report = text(&drift);
+    eprintln!("[e2e_verify] {report}");
+    assert!(
+        !drift.status.success(),
+        "verify must fail on drift: {report}"
+    );
+    let stdout = String::from_utf8_lossy(&drift.stdout).into_owned();
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    let expected = workload.truth[&victim];
+    assert_eq!(rows.len(), 1, "{report}");
+    let cells: Vec<&str> = rows[0].split_whitespace().collect();
+    let want = [
+        victim.to_string(),
+        expected.to_string(),
+        (expected + 7).to_string(),
+        "+7".to_string(),
+    ];
+    assert_eq!(
+        cells,
+        want.iter().map(String::as_str).collect::<Vec<_>>(),
+        "{report}"
+    );
+    assert!(report.contains("; 1 drift"), "{report}");
+
+    // Narrowed to other posts, nothing drifts.
+    let other = workload.viral_post.to_string();
+    let narrowed: Vec<&str> = verify
+        .iter()
+        .copied()
+        .chain(["--posts", other.as_str()])
+        .collect();
+    let out = tally_cli(&narrowed);
+    assert!(out.status.success(), "{}", text(&out));
+    live.assert_running();
+}
