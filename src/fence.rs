@@ -416,6 +416,9 @@ mod tests {
         deltas: HashMap<u8, i64>,
     }
 
+    /// A batch in flight: its last offset, scripts not yet answered, replies so far.
+    type InFlight = (i64, Vec<Script>, Vec<(u32, Reply)>);
+
     /// A consumer whose scripts travel separately: one batch in flight at a time (per-partition
     /// order), its scripts reach Redis one by one in any order across groups, and a reply may be
     /// lost, so the script is sent again.
@@ -424,8 +427,7 @@ mod tests {
         next: i64,
         cuts: Vec<usize>,
         turn: usize,
-        /// The batch in flight: its last offset, scripts not yet answered, replies so far.
-        batch: Option<(i64, Vec<Script>, Vec<(u32, Reply)>)>,
+        batch: Option<InFlight>,
     }
 
     impl Racer {

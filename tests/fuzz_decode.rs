@@ -187,12 +187,12 @@ enum Mutation {
 fn mutation() -> impl Strategy<Value = Mutation> {
     let pos = any::<usize>();
     prop_oneof![
-        (pos.clone(), 0u8..8).prop_map(|(p, b)| Mutation::FlipBit(p, b)),
-        pos.clone().prop_map(Mutation::Truncate),
-        (pos.clone(), any::<u8>()).prop_map(|(p, b)| Mutation::Insert(p, b)),
-        pos.clone().prop_map(Mutation::Remove),
+        (pos, 0u8..8).prop_map(|(p, b)| Mutation::FlipBit(p, b)),
+        pos.prop_map(Mutation::Truncate),
+        (pos, any::<u8>()).prop_map(|(p, b)| Mutation::Insert(p, b)),
+        pos.prop_map(Mutation::Remove),
         (
-            pos.clone(),
+            pos,
             prop_oneof![
                 Just(u64::MAX),
                 Just(1u64 << 40),

@@ -137,6 +137,9 @@ pub fn resources(pid: u32) -> Option<(u64, usize)> {
     Some((rss, fds))
 }
 
+/// First, last and largest of a series of samples.
+type Span<T> = (T, T, T);
+
 /// The steady consumer's resources, sampled after each scale-down, and the rebalances it saw.
 #[derive(Debug, Default)]
 pub struct Leaks {
@@ -152,7 +155,8 @@ impl Leaks {
     /// Open descriptors may end at most this many above the first sample.
     pub const FD_GROWTH: usize = 16;
 
-    fn first_last_max(&self) -> Option<((u64, u64, u64), (usize, usize, usize))> {
+    /// (first, last, max) of RSS, then of open descriptors.
+    fn first_last_max(&self) -> Option<(Span<u64>, Span<usize>)> {
         let first = self.samples.first()?;
         let last = self.samples.last()?;
         let max_rss = self.samples.iter().map(|s| s.1).max()?;
