@@ -406,4 +406,186 @@ mod tests {
             }
         }
     }
+
+    /// One slot group's script of a batch in flight.
+    #[derive(Clone, Debug)]
+    struct Script {
+        group: u32,
+        start: i64,
+        last: i64,
+        deltas: HashMap<u8, i64>,
+    }
+
+    /// A batch in flight: its last offset, scripts not yet answered, replies so far.
+    type InFlight = (i64, Vec<Script>, Vec<(u32, Reply)>);
+
+    /// A consumer whose scripts travel separately: one batch in flight at a time (per-partition
+    /// order), its scripts reach Redis one by one in any order across groups, and a reply may be
+    /// lost, so the script is sent again.
+    struct Racer {
+        tracker: Tracker,
+        next: i64,
+        cuts: Vec<usize>,
+        turn: usize,
+        batch: Option<InFlight>,
+    }
+
+    impl Racer {
+        fn assigned(store: &Store, cuts: Vec<usize>) -> Self {
+            let tracker = Tracker::new((0..GROUPS).map(|g| store.fence(g)).collect());
+            let next = tracker.resume_at();
+            Self {
+                tracker,
+                next,
+                cuts,
+                turn: 0,
+                batch: None,
+            }
+        }
+
+        /// Reads the next batch, cut where this consumer cuts, unless one is in flight.
+        fn read(&mut self, log: &[(u8, i64)]) {
+            if self.batch.is_some() {
+                return;
+            }
+            let size = self.cuts[self.turn % self.cuts.len()] as i64;
+            self.turn += 1;
+            let last = (self.next + size - 1)
+                .min(log.len() as i64 - 1)
+                .max(self.next - 1);
+            let mut per_group: Vec<HashMap<u8, i64>> = vec![HashMap::new(); GROUPS as usize];
+            for offset in self.next..=last {
+                let (key, delta) = log[offset as usize];
+                let g = group_of(key);
+                if self.tracker.needs(g, offset) {
+                    *per_group[g as usize].entry(key).or_default() += delta;
+                }
+            }
+            let mut scripts = Vec::new();
+            for (g, deltas) in per_group.into_iter().enumerate() {
+                let group = g as u32;
+                let (start, end) = self.tracker.claim(group, last);
+                if start > end + 1 || (deltas.is_empty() && self.turn % 2 == 1) {
+                    continue;
+                }
+                scripts.push(Script {
+                    group,
+                    start,
+                    last: end,
+                    deltas,
+                });
+            }
+            self.batch = Some((last, scripts, Vec::new()));
+            self.finish_if_answered();
+        }
+
+        /// Sends one script of the batch in flight; with `lose_reply` it runs but its reply
+        /// never arrives, so it stays queued and is sent again later.
+        fn deliver(&mut self, store: &mut Store, pick: usize, lose_reply: bool) {
+            let Some((_, scripts, replies)) = self.batch.as_mut() else {
+                return;
+            };
+            if scripts.is_empty() {
+                return;
+            }
+            let i = pick % scripts.len();
+            let s = &scripts[i];
+            let reply = store.script(s.group, s.start, s.last, &s.deltas);
+            if lose_reply {
+                return;
+            }
+            let s = scripts.remove(i);
+            replies.push((s.group, reply));
+            self.finish_if_answered();
+        }
+
+        fn finish_if_answered(&mut self) {
+            if !self.batch.as_ref().is_some_and(|(_, s, _)| s.is_empty()) {
+                return;
+            }
+            let (last, _, replies) = self.batch.take().expect("a batch");
+            let mut continues = true;
+            for (group, reply) in replies {
+                continues &= self.tracker.record(group, last, reply);
+            }
+            self.next = if continues {
+                last + 1
+            } else {
+                self.tracker.resume_at()
+            };
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum RaceOp {
+        Read(usize),
+        Deliver(usize, usize, bool),
+        /// The consumer dies (its batch in flight is abandoned) and a new owner reads the fences.
+        Crash(usize),
+        Rollback(u32, usize),
+    }
+
+    fn race_op() -> impl Strategy<Value = RaceOp> {
+        prop_oneof![
+            4 => (0usize..4).prop_map(RaceOp::Read),
+            8 => (0usize..4, any::<usize>(), proptest::bool::weighted(0.15))
+                .prop_map(|(c, pick, lose)| RaceOp::Deliver(c, pick, lose)),
+            1 => (0usize..4).prop_map(RaceOp::Crash),
+            1 => (0..GROUPS, 0usize..6).prop_map(|(g, k)| RaceOp::Rollback(g, k)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        /// Two to four consumers of one partition (zombies included: none of them is ever told
+        /// it lost the partition) each cut their own batches, send a batch's scripts one by
+        /// one in any order, lose replies and retry, crash mid-batch and come back, while
+        /// groups roll back independently. After every step each group holds exactly its
+        /// events up to its fence; a final owner drains the log and counts every event once.
+        #[test]
+        fn racing_consumers_with_lost_replies_count_once(
+            log in proptest::collection::vec((0u8..7, prop_oneof![Just(1i64), Just(-1i64)]), 1..80),
+            cuts in proptest::collection::vec(proptest::collection::vec(1usize..16, 1..4), 2..=4),
+            ops in proptest::collection::vec(race_op(), 0..120),
+        ) {
+            let mut store = Store::new();
+            let mut history = vec![store.clone()];
+            let mut racers: Vec<Racer> =
+                cuts.iter().map(|c| Racer::assigned(&store, c.clone())).collect();
+            let n = racers.len();
+            for op in ops {
+                match op {
+                    RaceOp::Read(c) => racers[c % n].read(&log),
+                    RaceOp::Deliver(c, pick, lose) => racers[c % n].deliver(&mut store, pick, lose),
+                    RaceOp::Crash(c) => racers[c % n] = Racer::assigned(&store, cuts[c % n].clone()),
+                    RaceOp::Rollback(g, back) => {
+                        let old = &history[history.len().saturating_sub(1 + back)];
+                        store.groups[g as usize] = old.groups[g as usize].clone();
+                    }
+                }
+                history.push(store.clone());
+                for g in 0..GROUPS {
+                    let applied = (store.fence(g) + 1) as usize;
+                    let mut expected: HashMap<u8, i64> = HashMap::new();
+                    for &(key, delta) in log[..applied].iter().filter(|(k, _)| group_of(*k) == g) {
+                        *expected.entry(key).or_default() += delta;
+                    }
+                    expected.retain(|_, v| *v != 0);
+                    let mut got = store.groups[g as usize].0.clone();
+                    got.retain(|_, v| *v != 0);
+                    prop_assert_eq!(got, expected, "group {}", g);
+                }
+            }
+            let end = log.len() as i64 - 1;
+            let mut owner = Consumer::assigned(&store, cuts[0].clone());
+            for _ in 0..10_000 {
+                if (0..GROUPS).all(|g| store.fence(g) == end) { break; }
+                owner.step(&log, &mut store, None);
+            }
+            for g in 0..GROUPS {
+                prop_assert_eq!(store.fence(g), end);
+            }
+        }
+    }
 }

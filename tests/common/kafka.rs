@@ -19,7 +19,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
-use super::process::{Guarded, file_tail, log_dir};
+use super::process::{Guarded, file_tail, log_dir, signal};
 use super::{free_port, port_open, unique, wait_for};
 
 pub const TANSU_INSTALL: &str = "cargo install tansu --version 0.6.0 --features dynostore --locked";
@@ -46,10 +46,41 @@ fn require_tansu() -> PathBuf {
     })
 }
 
-struct Broker {
+/// A Tansu broker this test process started; killed on drop.
+pub struct Broker {
     addr: String,
-    _proc: Guarded,
+    proc: Guarded,
     _logs: TempDir,
+}
+
+impl Broker {
+    /// A private Tansu broker on a free loopback port, for a test that stops or signals it
+    /// (a shared broker must never be paused under other tests).
+    pub fn start_private() -> Broker {
+        start_private_broker()
+    }
+
+    /// Its bootstrap address, `127.0.0.1:PORT`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+
+    /// Freezes the broker (SIGSTOP): connections stay open and nothing answers.
+    pub fn sigstop(&self) {
+        signal(self.pid(), "STOP");
+        eprintln!("[harness] broker {} stopped (SIGSTOP)", self.addr);
+    }
+
+    /// Wakes the broker (SIGCONT).
+    pub fn sigcont(&self) {
+        signal(self.pid(), "CONT");
+        eprintln!("[harness] broker {} continued (SIGCONT)", self.addr);
+    }
 }
 
 /// Bootstrap servers for the tests: `TALLY_TEST_BROKERS`, or a private Tansu broker started once
@@ -92,7 +123,7 @@ fn start_private_broker() -> Broker {
                 eprintln!("[harness] private Tansu broker on 127.0.0.1:{port}");
                 return Broker {
                     addr: format!("127.0.0.1:{port}"),
-                    _proc: proc,
+                    proc,
                     _logs: logs,
                 };
             }
@@ -137,7 +168,12 @@ fn base_consumer(brokers: &str, group: Option<&str>) -> BaseConsumer {
 
 /// Creates `name` with `partitions` partitions and waits until metadata shows all of them.
 pub fn create_topic(name: &str, partitions: i32) {
-    let brokers = brokers();
+    create_topic_on(&brokers(), name, partitions);
+}
+
+/// `create_topic` on the given brokers.
+pub fn create_topic_on(brokers: &str, name: &str, partitions: i32) {
+    let brokers = brokers.to_string();
     if let Some(tansu) = tansu_bin() {
         let first = brokers.split(',').next().unwrap().trim();
         let out = Command::new(tansu)

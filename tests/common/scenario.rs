@@ -23,10 +23,15 @@ impl Scenario {
     /// Seed for `test`, fresh `likes-<short>` topic with `partitions`, `tally-<short>` group and
     /// `<short>` key prefix.
     pub fn new(test: &str, short: &str, partitions: i32) -> Scenario {
+        Self::on(&brokers(), test, short, partitions)
+    }
+
+    /// `new`, on the given brokers.
+    pub fn on(brokers: &str, test: &str, short: &str, partitions: i32) -> Scenario {
         let seed = seed(test);
-        let brokers = brokers();
+        let brokers = brokers.to_string();
         let topic = unique(&format!("likes-{short}"));
-        create_topic(&topic, partitions);
+        create_topic_on(&brokers, &topic, partitions);
         Scenario {
             seed,
             brokers,

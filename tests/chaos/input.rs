@@ -1,0 +1,325 @@
+//! Faults on the Kafka side: a frozen broker, and hostile messages mixed into real traffic.
+
+use std::collections::{BTreeSet, HashMap};
+use std::thread;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use rand::rngs::StdRng;
+use rand::{Rng, RngCore, SeedableRng};
+use rdkafka::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+use crate::common::*;
+use crate::report::{Leaks, Row};
+use crate::steps::*;
+use crate::{PARTITIONS, Settings};
+
+/// Scenario 6: a private Tansu broker (never the shared one) is SIGSTOPped for 30 s while the
+/// consumer and the producer are talking to it, then SIGCONTed.
+pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
+    let broker = Broker::start_private();
+    let run = Scenario::on(broker.addr(), "chaos_broker", "broker", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut w = Workload::new(run.seed, PARTITIONS);
+    let first = w.grow(s.first_wave);
+    produce(&run.brokers, &run.topic, w.messages(first));
+    let mut tally = Tally::spawn_args("consumer", &run.tally_args(&redis.url()));
+    let producer = run.stream(w, s.chunk, s.pause);
+    for stop in 1..=s.broker_stops {
+        thread::sleep(Duration::from_secs(4));
+        tally.assert_running();
+        broker.sigstop();
+        thread::sleep(s.broker_stop_for);
+        broker.sigcont();
+        row.faults = format!("{stop} broker SIGSTOP {} s", s.broker_stop_for.as_secs());
+        thread::sleep(Duration::from_secs(4));
+    }
+    let w = producer.stop();
+    row.events = w.events.len();
+    let hwms = run.hwms(w.events.len());
+    settle_single(row, &run, &redis, &w.truth, &hwms, &mut [&mut tally]);
+    stop_all(&mut [&mut tally]);
+}
+
+/// One message to produce: key, value (`None` is a null value), partition.
+type RawMsg = (Option<Vec<u8>>, Option<Vec<u8>>, i32);
+
+/// Produces every message to its partition, one message per record batch (see
+/// `produce_positions`), and returns the (partition, offset) of each, in input order.
+fn produce_raw(brokers: &str, topic: &str, messages: &[RawMsg]) -> Vec<(i32, i64)> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("batch.num.messages", "1")
+        .set("message.timeout.ms", "300000")
+        .create()
+        .expect("create producer");
+    futures::executor::block_on(async {
+        let mut pending = FuturesUnordered::new();
+        for (i, (key, value, partition)) in messages.iter().enumerate() {
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(topic).partition(*partition);
+            if let Some(k) = key {
+                record = record.key(k.as_slice());
+            }
+            if let Some(v) = value {
+                record = record.payload(v.as_slice());
+            }
+            let delivery = producer
+                .send_result(record)
+                .unwrap_or_else(|(e, _)| panic!("produce to {topic}: {e}"));
+            pending.push(async move { (i, delivery.await) });
+        }
+        let mut positions = vec![(0, 0); messages.len()];
+        while let Some((i, result)) = pending.next().await {
+            match result {
+                Ok(Ok(d)) => positions[i] = (d.partition, d.offset),
+                Ok(Err((e, _))) => panic!("delivery to {topic} failed: {e}"),
+                Err(_) => panic!("delivery to {topic} canceled"),
+            }
+        }
+        positions
+    })
+}
+
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// An unknown length-delimited field (number 9) holding `len` bytes.
+fn unknown_bytes_field(out: &mut Vec<u8>, len: usize) {
+    varint(out, (9 << 3) | 2);
+    varint(out, len as u64);
+    out.extend(std::iter::repeat_n(0xab, len));
+}
+
+/// A value close to the broker's default limit on message size (1,000,000 bytes in librdkafka,
+/// 1,048,588 in Kafka), leaving room for the dead-letter copy's headers.
+const NEAR_LIMIT: usize = 990_000;
+
+/// A bad message of kind `kind`: (label, value). Every one must be dead-lettered.
+fn bad_message(kind: usize, rng: &mut StdRng) -> (&'static str, Option<Vec<u8>>) {
+    let post = rng.random_range(1..1_000_000u64);
+    let user = rng.random_range(1u64 << 63..=u64::MAX);
+    let t = now_ms();
+    match kind % 11 {
+        0 => {
+            // Random bytes behind a tag with wire type 6 or 7, which no encoder writes.
+            let mut v = vec![(rng.random_range(1u8..16) << 3) | rng.random_range(6u8..8)];
+            let mut tail = vec![0u8; rng.random_range(0..200)];
+            rng.fill_bytes(&mut tail);
+            v.extend(tail);
+            ("random bytes", Some(v))
+        }
+        1 => {
+            // Cut inside the 10-byte varint of user_id.
+            let mut v = vec![1 << 3];
+            varint(&mut v, post);
+            v.push(2 << 3);
+            let user_at = v.len();
+            varint(&mut v, user);
+            v.truncate(user_at + rng.random_range(1..9));
+            ("truncated protobuf", Some(v))
+        }
+        2 => {
+            // post_id written as a length-delimited field.
+            let mut v = vec![0x0a, 8];
+            v.extend(post.to_le_bytes());
+            v.extend(encode_like(0, user, LIKE, t));
+            ("post_id with wire type 2", Some(v))
+        }
+        3 => {
+            // action written as fixed32.
+            let mut v = encode_like(post, user, 0, t);
+            v.extend([0x1d, 1, 0, 0, 0]);
+            ("action with wire type 5", Some(v))
+        }
+        4 => {
+            let action = [3, 9, -1, i32::MAX, i32::MIN][rng.random_range(0..5)];
+            ("unknown action", Some(encode_like(post, user, action, t)))
+        }
+        5 => ("post_id 0", Some(encode_like(0, user, LIKE, t))),
+        6 => (
+            "post_id 0 written",
+            Some(encode_like_explicit(0, user, UNLIKE, t)),
+        ),
+        7 => ("empty value", Some(Vec::new())),
+        8 => ("null value", None),
+        9 => (
+            "overlong varint",
+            Some(
+                vec![0x08]
+                    .into_iter()
+                    .chain([0xff; 10])
+                    .chain([0x7f])
+                    .collect(),
+            ),
+        ),
+        _ => ("action 0", Some(encode_like(post, user, 0, t))),
+    }
+}
+
+/// A good message that looks odd: (post it counts for, value).
+fn odd_good_message(kind: usize, rng: &mut StdRng) -> (u64, Vec<u8>) {
+    let post = rng.random_range(1..1_000_000u64);
+    let user = rng.random_range(1..=u64::MAX);
+    let t = now_ms();
+    match kind % 3 {
+        0 => (u64::MAX, encode_like(u64::MAX, user, LIKE, t)),
+        1 => {
+            // Unknown fields of every wire type around the known ones.
+            let mut v = Vec::new();
+            unknown_bytes_field(&mut v, rng.random_range(0..64));
+            v.extend([(15 << 3) | 1, 1, 2, 3, 4, 5, 6, 7, 8]);
+            v.extend(encode_like(post, user, LIKE, t));
+            v.extend([(12 << 3) | 5, 9, 9, 9, 9, 13 << 3, 0x96, 0x01]);
+            (post, v)
+        }
+        _ => {
+            // post_id written twice: the last one counts.
+            let mut v = Vec::new();
+            varint(&mut v, 1 << 3);
+            varint(&mut v, rng.random_range(1..u64::MAX));
+            v.extend(encode_like(post, user, LIKE, t));
+            (post, v)
+        }
+    }
+}
+
+fn random_key(rng: &mut StdRng) -> Option<Vec<u8>> {
+    match rng.random_range(0..3) {
+        0 => None,
+        1 => Some(Vec::new()),
+        _ => Some(format!("k{}", rng.random::<u32>()).into_bytes()),
+    }
+}
+
+/// Scenario 8: bad messages of every kind the contract names, plus good messages that look
+/// odd (post_id u64::MAX, unknown fields, a repeated field, a value near the size limit), mixed
+/// into a stream of real events. Good events are counted exactly; every bad one is counted in
+/// `tally_bad_messages_total` and found in the dead-letter topic.
+pub fn hostile(s: &Settings, row: &mut Row, _: &mut Leaks) {
+    let run = Scenario::new("chaos_hostile", "hostile", PARTITIONS);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0xbad);
+    let dlt = unique("likes-hostile-dlq");
+    create_topic(&dlt, 4);
+    let redis = RedisServer::start();
+    let mut w = Workload::new(run.seed, PARTITIONS);
+    let first = w.grow(s.first_wave);
+    produce(&run.brokers, &run.topic, w.messages(first));
+    let addr = metrics_addr();
+    let args = args_with(
+        &run.tally_args(&redis.url()),
+        Some(&addr),
+        &["--dead-letter-topic", &dlt],
+    );
+    let mut tally = Tally::spawn_args("consumer", &args);
+    let producer = run.stream(w, s.chunk, s.pause);
+
+    // (message, Some(label) when bad, post it counts for when good).
+    let near_limit = (s.hostile / 200).max(2);
+    let mut messages: Vec<(RawMsg, Option<&'static str>, Option<u64>)> = Vec::new();
+    for i in 0..s.hostile {
+        let (label, value) = bad_message(i, &mut rng);
+        let msg = (random_key(&mut rng), value, rng.random_range(0..PARTITIONS));
+        messages.push((msg, Some(label), None));
+    }
+    for i in 0..s.hostile / 4 {
+        let (post, value) = odd_good_message(i, &mut rng);
+        let msg = (
+            random_key(&mut rng),
+            Some(value),
+            rng.random_range(0..PARTITIONS),
+        );
+        messages.push((msg, None, Some(post)));
+    }
+    for i in 0..near_limit {
+        let partition = rng.random_range(0..PARTITIONS);
+        if i % 2 == 0 {
+            let mut v = vec![0x07];
+            v.resize(NEAR_LIMIT, 0x5a);
+            messages.push((
+                (None, Some(v), partition),
+                Some("near the size limit"),
+                None,
+            ));
+        } else {
+            let post = rng.random_range(1..1_000_000u64);
+            let mut v = encode_like(post, rng.random(), LIKE, now_ms());
+            unknown_bytes_field(&mut v, NEAR_LIMIT - 32);
+            messages.push(((random_key(&mut rng), Some(v), partition), None, Some(post)));
+        }
+    }
+    // Shuffle, then send in slices while the real traffic flows.
+    for i in (1..messages.len()).rev() {
+        messages.swap(i, rng.random_range(0..=i));
+    }
+    let mut bad_at = BTreeSet::new();
+    let mut extra_truth: HashMap<u64, i64> = HashMap::new();
+    let slice = messages.len().div_ceil(10);
+    for part in messages.chunks(slice) {
+        let raw: Vec<RawMsg> = part.iter().map(|(m, _, _)| m.clone()).collect();
+        let positions = produce_raw(&run.brokers, &run.topic, &raw);
+        for ((_, bad, good), pos) in part.iter().zip(positions) {
+            if bad.is_some() {
+                bad_at.insert(pos);
+            }
+            if let Some(post) = good {
+                *extra_truth.entry(*post).or_default() += 1;
+            }
+        }
+        thread::sleep(Duration::from_millis(300));
+        tally.assert_running();
+    }
+    let good_odd: usize = extra_truth.values().sum::<i64>() as usize;
+    row.faults = format!("{} bad + {good_odd} odd but valid", bad_at.len());
+    let w = producer.stop();
+    let mut truth = w.truth.clone();
+    for (post, n) in &extra_truth {
+        *truth.entry(*post).or_default() += n;
+    }
+    row.events = w.events.len() + good_odd;
+    let hwms = run.hwms(w.events.len() + messages.len());
+    settle_single(row, &run, &redis, &truth, &hwms, &mut [&mut tally]);
+
+    // Every bad message is counted once (no crash here, so nothing was replayed) ...
+    let counted = metric_sum(&scrape_metrics(&addr), "tally_bad_messages_total") as usize;
+    // ... and copied to the dead-letter topic, with its source position; no good one is.
+    let mut found = BTreeSet::new();
+    for _ in 0..10 {
+        for m in read_topic(&run.brokers, &dlt, Duration::from_secs(30)) {
+            let pos = (
+                header_str(&m, "tally-source-partition").and_then(|p| p.parse().ok()),
+                header_str(&m, "tally-source-offset").and_then(|o| o.parse().ok()),
+            );
+            let (Some(p), Some(o)) = pos else {
+                panic!("a dead letter without its source position");
+            };
+            assert!(
+                bad_at.contains(&(p, o)),
+                "good message {p}/{o} was dead-lettered"
+            );
+            found.insert((p, o));
+        }
+        if found.len() == bad_at.len() {
+            break;
+        }
+        thread::sleep(Duration::from_secs(1));
+    }
+    row.bad = Some((found.len(), bad_at.len()));
+    assert_eq!(
+        counted,
+        bad_at.len(),
+        "tally_bad_messages_total says {counted}, {} bad messages were sent",
+        bad_at.len()
+    );
+    stop_all(&mut [&mut tally]);
+}
