@@ -121,6 +121,7 @@ const SCENARIOS: [(&str, ScenarioFn); 8] = [
 ];
 
 #[test]
+#[ignore = "the chaos suite takes minutes; scripts/chaos runs it"]
 fn chaos() {
     let settings = Settings::from_env();
     let only: Option<Vec<String>> = std::env::var("TALLY_CHAOS_ONLY")
