@@ -22,6 +22,10 @@
 //!   generation, and when the generation pointer moves, every batch in flight
 //!   finishes before the keys change; every owned partition then restarts at
 //!   its fences in the new generation (see [`crate::rebuild`] for the cut-over).
+//!
+//! Parts: `intake` (ownership changes, and messages entering a partition's
+//! batch), `scripts` (a closed batch planned and sent as one script per slot
+//! group), `follow` (switching generations); this file runs the loop.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -31,21 +35,19 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use rdkafka::Message;
 use rdkafka::consumer::Consumer;
-use rdkafka::message::BorrowedMessage;
 use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::Offset;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::aggregate::{Batch, ClosedBatch, Limits};
-use crate::apply::{Applier, ApplyError, ConnectError, FenceReader, PartitionFences, Prepared};
+use crate::aggregate::{ClosedBatch, Limits};
+use crate::apply::{Applier, ApplyError, ConnectError, FenceReader};
 use crate::commit::Committer;
 use crate::config::{ConfigError, RunConfig};
-use crate::consume::{self, LikeConsumer, Rebalanced, TallyContext, TopicError};
-use crate::dead_letter::{DeadLetter, DeadLetters, Pending};
-use crate::decode::decode;
-use crate::fence::{Decision, Reply, Tracker};
+use crate::consume::{self, LikeConsumer, TallyContext, TopicError};
+use crate::dead_letter::DeadLetters;
+use crate::fence::Decision;
 use crate::generation::{self, GenerationWatch};
 use crate::hot::{Detector, Policy};
 use crate::metrics::{self, Stats};
@@ -55,6 +57,11 @@ use crate::store::Target;
 use crate::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 
 mod follow;
+mod intake;
+mod scripts;
+
+use intake::Owned;
+use scripts::{Done, Finished, establish, plan, send};
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -119,139 +126,9 @@ impl Following {
     }
 }
 
-/// A partition this consumer owns.
-struct Owned {
-    /// Distinguishes this ownership from earlier ones of the same partition.
-    epoch: u64,
-    /// The offset the next accepted message must be at or after; the start
-    /// of the next batch's range. `None` until the first message shows it.
-    next: Option<i64>,
-    /// Origin and group fences, once known (at assignment, or established by
-    /// the first batch).
-    known: Option<(i64, Tracker)>,
-    /// What the assignment read, when it did not give the origin.
-    assigned: Option<PartitionFences>,
-    batch: Batch,
-    letters: Vec<Pending>,
-    /// Per slot group, when it last received a script.
-    advanced_at: Vec<Instant>,
-    /// When Redis last confirmed the fences of this ownership.
-    verified_at: Instant,
-    /// A seek the consumer has not accepted yet (librdkafka refuses seeks on a
-    /// partition whose fetcher is still starting); messages are dropped until
-    /// it succeeds, so nothing read from the old position enters a batch.
-    pending_seek: Option<i64>,
-}
-
 /// How often a caught-up partition probes its fences, and how often a slot
 /// group without events gets an empty script to keep its fence recent.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
-
-/// The outcome of a dispatched batch.
-enum Finished {
-    /// Scripts ran; `established` is set when this batch learned the fences.
-    Scripts {
-        established: Option<(i64, Tracker)>,
-        replies: Vec<(u32, Reply, usize)>,
-    },
-    /// The fences found do not continue this batch: re-read from them.
-    Resync { known: (i64, Tracker) },
-}
-
-/// The reply to one dispatched batch.
-struct Done {
-    partition: i32,
-    epoch: u64,
-    start: i64,
-    last: i64,
-    messages: u64,
-    bad: u64,
-    took: Duration,
-    result: Result<Finished, ApplyError>,
-}
-
-/// The scripts of one batch: one per slot group that has events, is due an
-/// advance, or (`all`) every group.
-fn plan(
-    partition: i32,
-    batch: &mut ClosedBatch,
-    groups: &SlotGroups,
-    known: &(i64, Tracker),
-    mut due: impl FnMut(u32) -> bool,
-) -> Vec<Prepared> {
-    let (origin, tracker) = known;
-    let mut split = batch.split(groups);
-    let mut scripts = Vec::new();
-    for (g, deltas) in split.iter_mut().enumerate() {
-        let g = g as u32;
-        let (start, last) = tracker.claim(g, batch.last);
-        if start > last + 1 || (deltas.is_empty() && !due(g)) {
-            continue;
-        }
-        scripts.push(Prepared {
-            partition,
-            group: g,
-            start,
-            last,
-            absent_fence: origin - 1,
-            deltas: std::mem::take(deltas),
-        });
-    }
-    scripts
-}
-
-/// Sends scripts, concurrently, or one by one with a pause when testing
-/// crashes between the scripts of a batch.
-async fn send(
-    applier: &Applier,
-    scripts: Vec<Prepared>,
-    pause: Duration,
-    abandon: &CancellationToken,
-) -> Result<Vec<(u32, Reply, usize)>, ApplyError> {
-    if pause.is_zero() {
-        let replies =
-            futures::future::join_all(scripts.iter().map(|p| applier.apply(p, abandon))).await;
-        scripts
-            .iter()
-            .zip(replies)
-            .map(|(p, r)| r.map(|reply| (p.group, reply, p.increments())))
-            .collect()
-    } else {
-        let mut replies = Vec::with_capacity(scripts.len());
-        for p in &scripts {
-            replies.push((p.group, applier.apply(p, abandon).await?, p.increments()));
-            tokio::time::sleep(pause).await;
-        }
-        Ok(replies)
-    }
-}
-
-/// First batch of an ownership without a known origin: read the fences if the
-/// assignment could not, record the origin, and decide whether this batch,
-/// read from `batch.start` without any filtering, can be applied.
-async fn establish(
-    applier: &Applier,
-    partition: i32,
-    assigned: Option<PartitionFences>,
-    start: i64,
-    abandon: &CancellationToken,
-) -> Result<((i64, Tracker), bool), ApplyError> {
-    let fences = match assigned {
-        Some(fences) => fences,
-        None => applier.fences(partition, abandon).await?,
-    };
-    let origin = match fences.origin {
-        Some(origin) => origin,
-        None => applier.origin(partition, start, abandon).await?,
-    };
-    let fences = PartitionFences {
-        origin: Some(origin),
-        ..fences
-    };
-    let known = fences.tracker().expect("origin is set");
-    let fits = (0..applier.keys().groups().count()).all(|g| known.1.known(g) == start - 1);
-    Ok((known, fits))
-}
 
 /// Runs the aggregator until `shutdown` is cancelled or a fatal error.
 pub async fn run(
@@ -458,10 +335,10 @@ impl Pipeline {
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;
-                            if Self::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
+                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
                                 self.blocked = false;
                             }
-                            let accepted = Self::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.stats, self.dead_letters.as_deref());
+                            let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.stats, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition); }
                         }
@@ -483,7 +360,7 @@ impl Pipeline {
     fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
         let groups = self.applier.keys().groups().count() as usize;
-        if Self::apply_changes(
+        if intake::apply_changes(
             &mut self.owned,
             &mut self.committer,
             &mut self.epochs,
@@ -492,114 +369,6 @@ impl Pipeline {
         ) {
             self.blocked = false;
         }
-    }
-
-    /// Applies ownership changes; `true` if there were any. Borrows only what
-    /// it changes, so it can run while a received message still borrows the
-    /// consumer: the callback that queued the changes ran inside that very
-    /// `recv()`, and the message may belong to a partition assigned by it.
-    fn apply_changes(
-        owned: &mut HashMap<i32, Owned>,
-        committer: &mut Committer,
-        epochs: &mut u64,
-        groups: usize,
-        changes: Vec<Rebalanced>,
-    ) -> bool {
-        let any = !changes.is_empty();
-        for change in changes {
-            match change {
-                Rebalanced::Assigned(assignments) => {
-                    metrics::rebalanced();
-                    for a in assignments {
-                        *epochs += 1;
-                        let known = a.fences.as_ref().and_then(PartitionFences::tracker);
-                        owned.insert(
-                            a.partition,
-                            Owned {
-                                epoch: *epochs,
-                                next: known.as_ref().map(|(_, t)| t.resume_at()),
-                                assigned: if known.is_some() { None } else { a.fences },
-                                known,
-                                batch: Batch::new(),
-                                letters: Vec::new(),
-                                advanced_at: vec![Instant::now(); groups],
-                                verified_at: Instant::now(),
-                                pending_seek: None,
-                            },
-                        );
-                    }
-                }
-                Rebalanced::Revoked(partitions) => {
-                    for p in partitions {
-                        owned.remove(&p);
-                        committer.forget(p);
-                        metrics::consumer_lag(p, 0);
-                    }
-                }
-                Rebalanced::Lost => {
-                    for p in owned.keys().copied().collect::<Vec<_>>() {
-                        committer.forget(p);
-                        metrics::consumer_lag(p, 0);
-                    }
-                    owned.clear();
-                    crate::health::unassigned();
-                }
-            }
-            metrics::assigned(owned.len());
-        }
-        any
-    }
-
-    /// Adds one message to its partition's batch; `false` when it is not ours
-    /// or stale.
-    fn accept(
-        owned: &mut HashMap<i32, Owned>,
-        groups: &SlotGroups,
-        message: &BorrowedMessage<'_>,
-        timestamp: i64,
-        routes: &RouteTable,
-        stats: &Stats,
-        dead_letters: Option<&DeadLetters>,
-    ) -> bool {
-        let partition = message.partition();
-        let offset = message.offset();
-        let Some(state) = owned.get_mut(&partition) else {
-            return false;
-        };
-        if state.pending_seek.is_some() || state.next.is_some_and(|next| offset < next) {
-            return false;
-        }
-        let start = state.next.unwrap_or(offset);
-        match decode(message.payload()) {
-            Ok(like) => {
-                let id = routes.counter(like.post_id, like.user_id, timestamp);
-                let already_in = state.known.as_ref().is_some_and(|(_, t)| {
-                    offset <= t.highest()
-                        && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
-                });
-                if already_in {
-                    state.batch.add_applied(start, offset);
-                } else {
-                    state.batch.add(start, offset, id, like.delta);
-                }
-            }
-            Err(reason) => {
-                warn!(partition, offset, %reason, "Bad message skipped.");
-                metrics::bad_message(stats, reason);
-                state.batch.add_bad(start, offset);
-                if let Some(dead_letters) = dead_letters {
-                    state.letters.push(dead_letters.send(DeadLetter {
-                        key: message.key().map(<[u8]>::to_vec),
-                        value: message.payload().map(<[u8]>::to_vec),
-                        reason,
-                        partition,
-                        offset,
-                    }));
-                }
-            }
-        }
-        state.next = Some(offset + 1);
-        true
     }
 
     fn after_accept(&mut self, partition: i32) {

@@ -1,0 +1,155 @@
+//! Intake: ownership changes and messages entering a partition's batch.
+//!
+//! Invariants kept here: a partition's batch only ever holds messages of the
+//! current ownership, read from the position the fences gave it; a message
+//! below that position, or read while a seek is pending, is dropped; an event
+//! its slot group already has is covered by the range but changes no counter.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use rdkafka::Message;
+use rdkafka::message::BorrowedMessage;
+use tracing::warn;
+
+use crate::aggregate::Batch;
+use crate::apply::PartitionFences;
+use crate::commit::Committer;
+use crate::consume::Rebalanced;
+use crate::dead_letter::{DeadLetter, DeadLetters, Pending};
+use crate::decode::decode;
+use crate::fence::Tracker;
+use crate::metrics::{self, Stats};
+use crate::slots::SlotGroups;
+use crate::versions::RouteTable;
+
+/// A partition this consumer owns.
+pub(super) struct Owned {
+    /// Distinguishes this ownership from earlier ones of the same partition.
+    pub(super) epoch: u64,
+    /// The offset the next accepted message must be at or after; the start
+    /// of the next batch's range. `None` until the first message shows it.
+    pub(super) next: Option<i64>,
+    /// Origin and group fences, once known (at assignment, or established by
+    /// the first batch).
+    pub(super) known: Option<(i64, Tracker)>,
+    /// What the assignment read, when it did not give the origin.
+    pub(super) assigned: Option<PartitionFences>,
+    pub(super) batch: Batch,
+    pub(super) letters: Vec<Pending>,
+    /// Per slot group, when it last received a script.
+    pub(super) advanced_at: Vec<Instant>,
+    /// When Redis last confirmed the fences of this ownership.
+    pub(super) verified_at: Instant,
+    /// A seek the consumer has not accepted yet (librdkafka refuses seeks on a
+    /// partition whose fetcher is still starting); messages are dropped until
+    /// it succeeds, so nothing read from the old position enters a batch.
+    pub(super) pending_seek: Option<i64>,
+}
+
+/// Applies ownership changes; `true` if there were any. Borrows only what
+/// it changes, so it can run while a received message still borrows the
+/// consumer: the callback that queued the changes ran inside that very
+/// `recv()`, and the message may belong to a partition assigned by it.
+pub(super) fn apply_changes(
+    owned: &mut HashMap<i32, Owned>,
+    committer: &mut Committer,
+    epochs: &mut u64,
+    groups: usize,
+    changes: Vec<Rebalanced>,
+) -> bool {
+    let any = !changes.is_empty();
+    for change in changes {
+        match change {
+            Rebalanced::Assigned(assignments) => {
+                metrics::rebalanced();
+                for a in assignments {
+                    *epochs += 1;
+                    let known = a.fences.as_ref().and_then(PartitionFences::tracker);
+                    owned.insert(
+                        a.partition,
+                        Owned {
+                            epoch: *epochs,
+                            next: known.as_ref().map(|(_, t)| t.resume_at()),
+                            assigned: if known.is_some() { None } else { a.fences },
+                            known,
+                            batch: Batch::new(),
+                            letters: Vec::new(),
+                            advanced_at: vec![Instant::now(); groups],
+                            verified_at: Instant::now(),
+                            pending_seek: None,
+                        },
+                    );
+                }
+            }
+            Rebalanced::Revoked(partitions) => {
+                for p in partitions {
+                    owned.remove(&p);
+                    committer.forget(p);
+                    metrics::consumer_lag(p, 0);
+                }
+            }
+            Rebalanced::Lost => {
+                for p in owned.keys().copied().collect::<Vec<_>>() {
+                    committer.forget(p);
+                    metrics::consumer_lag(p, 0);
+                }
+                owned.clear();
+                crate::health::unassigned();
+            }
+        }
+        metrics::assigned(owned.len());
+    }
+    any
+}
+
+/// Adds one message to its partition's batch; `false` when it is not ours
+/// or stale.
+pub(super) fn accept(
+    owned: &mut HashMap<i32, Owned>,
+    groups: &SlotGroups,
+    message: &BorrowedMessage<'_>,
+    timestamp: i64,
+    routes: &RouteTable,
+    stats: &Stats,
+    dead_letters: Option<&DeadLetters>,
+) -> bool {
+    let partition = message.partition();
+    let offset = message.offset();
+    let Some(state) = owned.get_mut(&partition) else {
+        return false;
+    };
+    if state.pending_seek.is_some() || state.next.is_some_and(|next| offset < next) {
+        return false;
+    }
+    let start = state.next.unwrap_or(offset);
+    match decode(message.payload()) {
+        Ok(like) => {
+            let id = routes.counter(like.post_id, like.user_id, timestamp);
+            let already_in = state.known.as_ref().is_some_and(|(_, t)| {
+                offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
+            });
+            if already_in {
+                state.batch.add_applied(start, offset);
+            } else {
+                state.batch.add(start, offset, id, like.delta);
+            }
+        }
+        Err(reason) => {
+            warn!(partition, offset, %reason, "Bad message skipped.");
+            metrics::bad_message(stats, reason);
+            state.batch.add_bad(start, offset);
+            if let Some(dead_letters) = dead_letters {
+                state.letters.push(dead_letters.send(DeadLetter {
+                    key: message.key().map(<[u8]>::to_vec),
+                    value: message.payload().map(<[u8]>::to_vec),
+                    reason,
+                    partition,
+                    offset,
+                }));
+            }
+        }
+    }
+    state.next = Some(offset + 1);
+    true
+}
