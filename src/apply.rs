@@ -195,9 +195,7 @@ impl Applier {
             url: shown.clone(),
             source,
         };
-        let store = Shared::connect(&target).await.map_err(unreachable)?;
-        store
-            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
+        let store = Shared::connect_checked(&target)
             .await
             .map_err(unreachable)?;
         Ok(Self {

@@ -93,9 +93,7 @@ impl StoreArgs {
             url: shown.clone(),
             source,
         };
-        let store = Shared::connect(&target).await.map_err(unreachable)?;
-        store
-            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
+        let store = Shared::connect_checked(&target)
             .await
             .map_err(unreachable)?;
         let routes = Routes::new(store.clone(), keys.clone(), default_buckets);

@@ -239,17 +239,7 @@ pub async fn rebuild_command(
     args: RebuildArgs,
     shutdown: CancellationToken,
 ) -> Result<String> {
-    config.validate()?;
-    let target = Target::parse(&config.redis).map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
-    let groups = if target.is_cluster() {
-        SlotGroups::cluster(config.slot_groups)
-    } else {
-        SlotGroups::single()
-    };
-    let base = KeyLayout::with_groups(&config.prefix, groups);
-    let applier = Applier::connect(&config.redis, base.clone(), &config.group, &config.topic)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (target, base, applier) = connect_base(&config).await?;
     let store = applier.store().clone();
     let prefix = config.prefix.clone();
     if args.abort {
@@ -475,4 +465,21 @@ async fn abort(store: &Shared, target: &Target, config: &RunConfig) -> Result<St
         "dropped generation {k} ({deleted} keys); consumer group {}-rebuild-g{k} keeps its offsets, which nothing reads\n",
         config.group
     ))
+}
+
+/// Checks `config`, and connects to its store with the base key layout (the
+/// prefix of generation 0; callers move to the current generation).
+pub async fn connect_base(config: &RunConfig) -> Result<(Target, KeyLayout, Applier)> {
+    config.validate()?;
+    let target = Target::parse(&config.redis).map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+    let groups = if target.is_cluster() {
+        SlotGroups::cluster(config.slot_groups)
+    } else {
+        SlotGroups::single()
+    };
+    let base = KeyLayout::with_groups(&config.prefix, groups);
+    let applier = Applier::connect(&config.redis, base.clone(), &config.group, &config.topic)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((target, base, applier))
 }

@@ -163,6 +163,15 @@ impl Shared {
         })
     }
 
+    /// Connects and checks that the store answers a PING.
+    pub async fn connect_checked(target: &Target) -> Result<Shared, RedisError> {
+        let store = Shared::connect(target).await?;
+        store
+            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
+            .await?;
+        Ok(store)
+    }
+
     /// The current connection and its generation.
     pub fn get(&self) -> (u64, Store) {
         let current = self.inner.current.lock().unwrap_or_else(|e| e.into_inner());

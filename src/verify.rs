@@ -35,7 +35,6 @@ use crate::config::RunConfig;
 use crate::decode::decode;
 use crate::read::Reader;
 use crate::routing::KeyLayout;
-use crate::slots::SlotGroups;
 use crate::store::Target;
 
 /// Settings of `tally verify` besides those it shares with `tally run`.
@@ -149,17 +148,7 @@ async fn fences(
 
 /// Runs `tally verify`.
 pub async fn verify_command(config: RunConfig, args: VerifyArgs) -> Result<Report> {
-    config.validate()?;
-    let target = Target::parse(&config.redis).map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
-    let groups = if target.is_cluster() {
-        SlotGroups::cluster(config.slot_groups)
-    } else {
-        SlotGroups::single()
-    };
-    let base = KeyLayout::with_groups(&config.prefix, groups);
-    let applier = Applier::connect(&config.redis, base.clone(), &config.group, &config.topic)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (target, base, applier) = crate::rebuild::connect_base(&config).await?;
     let store = applier.store().clone();
     let reader = Reader::new(store.clone(), base.clone(), config.buckets, Duration::ZERO);
     let (current, layout) = reader.layout().await?;
