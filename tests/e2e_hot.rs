@@ -31,25 +31,7 @@ fn tally_cli(args: &[&str]) -> std::process::Output {
 
 /// The sum of every counter key of `post`, found by SCAN: what writers have applied so far.
 fn scanned_sum(conn: &mut redis::Connection, prefix: &str, post: u64) -> (i64, Vec<String>) {
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}:likes:{post}:*"))
-            .arg("COUNT")
-            .arg(1000)
-            .query(conn)
-            .expect("SCAN");
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
-    keys.sort();
-    keys.dedup();
+    let keys = scan_keys(conn, &format!("{prefix}:likes:{post}:*"));
     if keys.is_empty() {
         return (0, keys);
     }
@@ -255,13 +237,17 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
         "route hash {fields:?}"
     );
     let (_, keys) = scanned_sum(&mut conn, &run.prefix, HOT);
-    for &(version, n) in &versions[1..] {
+    // A version superseded within its grace (detection re-promoting the demoted post at once)
+    // may route no event at all; the first promotion and the last version always take likes.
+    let last = versions.len() - 1;
+    for (i, &(version, n)) in versions.iter().enumerate().skip(1) {
         let written = keys
             .iter()
             .filter(|k| k.contains(&format!(":v{version}:b")))
             .count();
+        let must_write = i == 1 || i == last;
         assert!(
-            written > 0 && written <= n as usize,
+            (written > 0 || !must_write) && written <= n as usize,
             "version {version} ({n} buckets) has {written} keys among {keys:?}"
         );
     }

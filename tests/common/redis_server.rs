@@ -274,25 +274,7 @@ impl Drop for RedisServer {
 pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i64> {
     let pattern = format!("{prefix}:likes:*");
     let head = format!("{prefix}:likes:");
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query(conn)
-            .expect("SCAN");
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
-    keys.sort();
-    keys.dedup();
+    let keys = scan_keys(conn, &pattern);
     let mut counts = HashMap::new();
     for chunk in keys.chunks(500) {
         let values: Vec<Option<String>> = redis::cmd("MGET").arg(chunk).query(conn).expect("MGET");
@@ -307,6 +289,30 @@ pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i
         }
     }
     counts
+}
+
+/// Every key matching `pattern`, by SCAN, sorted and without repeats.
+pub fn scan_keys(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query(conn)
+            .expect("SCAN");
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    keys.sort();
+    keys.dedup();
+    keys
 }
 
 /// The post of a counter key's tail: `<post>:<bucket>` or `<post>:v<version>:b<bucket>`, either
