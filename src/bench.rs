@@ -92,6 +92,11 @@ pub struct BenchConfig {
     #[arg(short = 'X', long = "kafka-config", value_parser = crate::produce::parse_key_value)]
     pub kafka_config: Vec<(String, String)>,
 
+    /// librdkafka setting for the producers that write the workloads, repeatable:
+    /// -P linger.ms=50. Larger record batches raise what a broker can hand a consumer per fetch.
+    #[arg(short = 'P', long = "producer-config", value_parser = crate::produce::parse_key_value)]
+    pub producer_config: Vec<(String, String)>,
+
     /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -155,6 +160,8 @@ struct Env {
     broker_pid: String,
     /// `-X key=value` arguments for every consumer.
     kafka_args: Vec<String>,
+    /// librdkafka settings of the producers that write each workload.
+    producer_config: Vec<(String, String)>,
 }
 
 /// What one consumer achieved on one workload.
@@ -235,6 +242,7 @@ fn bench_blocking(config: BenchConfig) -> Result<()> {
             .iter()
             .flat_map(|(k, v)| ["-X".to_string(), format!("{k}={v}")])
             .collect(),
+        producer_config: config.producer_config.clone(),
     };
     eprintln!(
         "broker {}, redis {}, logs in {}",
@@ -310,7 +318,7 @@ fn workload(
     let produced = send(
         &env.brokers,
         &topic,
-        &[],
+        &env.producer_config,
         &plan,
         &AtomicBool::new(false),
         &bar,

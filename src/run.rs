@@ -60,7 +60,7 @@ mod follow;
 mod intake;
 mod scripts;
 
-use intake::Owned;
+use intake::{IdleOwnership, Owned};
 use scripts::{Done, Finished, establish, plan, send};
 
 /// Why `tally run` stopped with an error.
@@ -272,6 +272,7 @@ pub async fn run_with(
         epochs: 0,
         blocked: false,
         abandon: CancellationToken::new(),
+        idle: IdleOwnership::default(),
     };
     let result = pipeline.consume(&shutdown).await;
     pipeline.drain().await;
@@ -309,6 +310,7 @@ struct Pipeline {
     blocked: bool,
     /// Cancelled when shutdown gives up waiting for in-flight batches.
     abandon: CancellationToken,
+    idle: IdleOwnership,
 }
 
 impl Pipeline {
@@ -351,8 +353,23 @@ impl Pipeline {
                     self.detect();
                     self.retry_seeks();
                     self.dispatch_ready(false);
+                    self.report_idle();
                 }
             }
+        }
+    }
+
+    /// Says so when the consumer has owned no partition for long.
+    fn report_idle(&mut self) {
+        if let Some(idle) = self.idle.observe(!self.owned.is_empty(), Instant::now()) {
+            warn!(
+                idle_secs = idle.as_secs(),
+                group = %self.config.group,
+                "No partition assigned for {} s: either the group has more members than the topic has \
+                 partitions, or its coordinator has not completed a rebalance (-X debug=cgrp shows \
+                 librdkafka's side of it).",
+                idle.as_secs()
+            );
         }
     }
 

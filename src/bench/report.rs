@@ -148,6 +148,18 @@ pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> R
             settings.join(", ")
         )?;
     }
+    if !config.producer_config.is_empty() {
+        let settings: Vec<String> = config
+            .producer_config
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        writeln!(
+            out,
+            "The workloads were produced with `{}` on top of the generator's defaults.  ",
+            settings.join(", ")
+        )?;
+    }
     writeln!(
         out,
         "Date: {}. Services on the same machine: Tansu broker (memory storage), redis-server {redis_version} \

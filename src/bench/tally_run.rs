@@ -300,7 +300,7 @@ fn latency_phase(
     let produced = send(
         &env.brokers,
         topic,
-        &[],
+        &env.producer_config,
         &plan,
         &AtomicBool::new(false),
         &bar,

@@ -6,7 +6,7 @@
 //! its slot group already has is covered by the range but changes no counter.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdkafka::Message;
 use rdkafka::message::BorrowedMessage;
@@ -152,4 +152,61 @@ pub(super) fn accept(
     }
     state.next = Some(offset + 1);
     true
+}
+
+/// Notices a consumer that owns no partition for long. A group member can
+/// legitimately own nothing (more members than partitions), but a member
+/// that stays empty may also be looping through a rebalance the coordinator
+/// never completes; librdkafka reports that only at debug level, so the run
+/// says it at warning level, first after [`IdleOwnership::FIRST`] and then at
+/// doubling intervals up to [`IdleOwnership::MAX_GAP`].
+#[derive(Debug, Default)]
+pub(super) struct IdleOwnership {
+    since: Option<Instant>,
+    next_warning: Duration,
+}
+
+impl IdleOwnership {
+    pub(super) const FIRST: Duration = Duration::from_secs(30);
+    pub(super) const MAX_GAP: Duration = Duration::from_secs(600);
+
+    /// Records whether the consumer owns any partition at `now`; returns how
+    /// long it has owned none when a warning is due.
+    pub(super) fn observe(&mut self, owns_any: bool, now: Instant) -> Option<Duration> {
+        if owns_any {
+            self.since = None;
+            return None;
+        }
+        let since = *self.since.get_or_insert_with(|| {
+            self.next_warning = Self::FIRST;
+            now
+        });
+        let idle = now.saturating_duration_since(since);
+        if idle < self.next_warning {
+            return None;
+        }
+        let gap = self.next_warning.min(Self::MAX_GAP);
+        self.next_warning = idle + gap;
+        Some(idle)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_ownership_warns_late_then_less_often_and_resets_on_assignment() {
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        let mut idle = IdleOwnership::default();
+        let warned: Vec<u64> = (0..=2000)
+            .filter_map(|s| idle.observe(false, at(s)).map(|d| d.as_secs()))
+            .collect();
+        assert_eq!(warned, [30, 60, 120, 240, 480, 960, 1560]);
+        assert_eq!(idle.observe(true, at(2001)), None);
+        assert_eq!(idle.observe(false, at(2002)), None);
+        assert_eq!(idle.observe(false, at(2031)), None);
+        assert_eq!(idle.observe(false, at(2032)), Some(Duration::from_secs(30)));
+    }
 }

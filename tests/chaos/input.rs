@@ -18,6 +18,12 @@ use crate::{PARTITIONS, Settings};
 
 /// Scenario 6: a private Tansu broker (never the shared one) is SIGSTOPped for 30 s while the
 /// consumer and the producer are talking to it, then SIGCONTed.
+///
+/// The consumer runs with librdkafka's default session timeout (45 s), longer than the freeze, as a
+/// deployment does: fetches, commits and heartbeats time out and are retried, the membership
+/// survives. `TALLY_CHAOS_BROKER_SESSION_MS` sets another one; with one shorter than the freeze
+/// Tansu 0.6 keeps the expired member as the group's leader and the group never forms again
+/// (docs/reliability.md, finding 2).
 pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let broker = Broker::start_private();
     let run = Scenario::on(broker.addr(), "chaos_broker", "broker", PARTITIONS);
@@ -25,7 +31,21 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(s.first_wave);
     produce(&run.brokers, &run.topic, w.messages(first));
-    let mut tally = Tally::spawn_args("consumer", &run.tally_args(&redis.url()));
+    let session_ms = std::env::var("TALLY_CHAOS_BROKER_SESSION_MS")
+        .map(|v| {
+            v.parse::<u64>()
+                .expect("TALLY_CHAOS_BROKER_SESSION_MS: milliseconds")
+        })
+        .unwrap_or(45_000);
+    let args: Vec<String> = run
+        .tally_args(&redis.url())
+        .into_iter()
+        .map(|arg| match arg.strip_prefix("session.timeout.ms=") {
+            Some(_) => format!("session.timeout.ms={session_ms}"),
+            None => arg,
+        })
+        .collect();
+    let mut tally = Tally::spawn_args("consumer", &args);
     let producer = run.stream(w, s.chunk, s.pause);
     for stop in 1..=s.broker_stops {
         thread::sleep(Duration::from_secs(4));
@@ -33,7 +53,11 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
         broker.sigstop();
         thread::sleep(s.broker_stop_for);
         broker.sigcont();
-        row.faults = format!("{stop} broker SIGSTOP {} s", s.broker_stop_for.as_secs());
+        row.faults = format!(
+            "{stop} broker SIGSTOP {} s (session {} s)",
+            s.broker_stop_for.as_secs(),
+            session_ms / 1000
+        );
         thread::sleep(Duration::from_secs(4));
     }
     let w = producer.stop();

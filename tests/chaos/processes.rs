@@ -132,9 +132,25 @@ pub fn scaling(s: &Settings, row: &mut Row, leaks: &mut Leaks) {
             },
         );
         thread::sleep(Duration::from_millis(rng.random_range(500..2_000)));
-        for t in extra.iter_mut() {
-            let status = t.sigterm_and_wait(Duration::from_secs(30));
+        // One departure at a time, each once the members left own every partition again: Tansu
+        // 0.6's coordinator can elect a member that is leaving in the middle of a rebalance as
+        // the group's leader and then never drop it (docs/reliability.md, finding 2).
+        for leaving in 0..extra.len() {
+            let status = extra[leaving].sigterm_and_wait(Duration::from_secs(30));
             assert!(status.success(), "an extra consumer exited with {status}");
+            wait_for(
+                "the remaining consumers to own every partition",
+                Duration::from_secs(90),
+                || {
+                    steady.assert_running();
+                    let mut total = assigned(&steady_addr)?;
+                    for (t, a) in extra.iter_mut().zip(&addrs).skip(leaving + 1) {
+                        t.assert_running();
+                        total += assigned(a)?;
+                    }
+                    (total == PARTITIONS as u32).then_some(())
+                },
+            );
         }
         wait_for(
             "the steady consumer to own every partition again",

@@ -22,6 +22,7 @@ pub struct Tally {
 
 /// The arguments every test passes to `tally run`: addresses, names, and quick rebalances.
 /// `auto.offset.reset=earliest` is explicit so a new group reads the backlog whatever the default.
+/// `TALLY_TEST_KAFKA_DEBUG=cgrp,...` adds librdkafka debug contexts, logged at debug level.
 pub fn tally_args(
     brokers: &str,
     topic: &str,
@@ -51,6 +52,12 @@ pub fn tally_args(
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(
+        std::env::var("TALLY_TEST_KAFKA_DEBUG")
+            .ok()
+            .into_iter()
+            .flat_map(|d| ["-X".to_string(), format!("debug={d}")]),
+    )
     .collect()
 }
 
@@ -84,8 +91,10 @@ impl Tally {
             .current_dir(dir.path())
             .stdout(file.try_clone().unwrap())
             .stderr(file);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
+        if std::env::var_os("TALLY_TEST_KAFKA_DEBUG").is_some()
+            && std::env::var_os("TALLY_LOG").is_none()
+        {
+            cmd.env("TALLY_LOG", "info,librdkafka=debug");
         }
         let proc = Guarded::spawn(&mut cmd).expect("spawn tally");
         eprintln!(
