@@ -31,6 +31,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -39,7 +40,9 @@ use rustc_hash::FxHashMap;
 use crate::config::DEFAULT_BUCKETS;
 use crate::generate::TrafficShape;
 use crate::produce::{Plan, progress_bar, send};
+use crate::read::Reader;
 use crate::routing::KeyLayout;
+use crate::store::{Shared, Target};
 use report::{render, thousands, write_between_markers};
 use services::{start_redis, start_tansu};
 use tally_run::{Latency, LatencyPlan};
@@ -364,14 +367,14 @@ fn workload(
 }
 
 /// Compares a sample of posts (the 100 largest, the viral post among them, the
-/// marker post, and an even spread of the rest) with the truth; returns
-/// (checked, wrong).
+/// marker post, and an even spread of the rest) with the truth, read the way
+/// users read counts (`read::Reader`: the base buckets plus every routing
+/// version of a promoted post); returns (checked, wrong).
 fn check_sample(
-    conn: &mut redis::Connection,
+    redis_url: &str,
     prefix: &str,
     truth: &FxHashMap<u64, i64>,
 ) -> Result<(usize, usize)> {
-    let keys = KeyLayout::new(prefix);
     let mut posts: Vec<(u64, i64)> = truth.iter().map(|(&p, &c)| (p, c)).collect();
     posts.sort_unstable_by_key(|&(p, c)| (std::cmp::Reverse(c), p));
     let step = (posts.len() / 1000).max(1);
@@ -380,14 +383,27 @@ fn check_sample(
     if let Some(&count) = truth.get(&tally_run::MARKER_POST) {
         sample.push((tally_run::MARKER_POST, count));
     }
+    let ids: Vec<u64> = sample.iter().map(|&(post, _)| post).collect();
+    let counts = tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current().block_on(async {
+            let target = Target::parse(redis_url).map_err(anyhow::Error::msg)?;
+            let store = Shared::connect(&target).await?;
+            let reader = Reader::new(
+                store,
+                KeyLayout::new(prefix),
+                DEFAULT_BUCKETS,
+                Duration::ZERO,
+            );
+            let mut counts = Vec::with_capacity(ids.len());
+            for chunk in ids.chunks(500) {
+                counts.extend(reader.counts(chunk).await?);
+            }
+            anyhow::Ok(counts)
+        })
+    })?;
     let mut wrong = 0;
-    for &(post, want) in &sample {
-        let mut mget = redis::cmd("MGET");
-        for bucket in 0..DEFAULT_BUCKETS {
-            mget.arg(keys.counter_key(post, bucket));
-        }
-        let values: Vec<Option<i64>> = mget.query(conn)?;
-        let got: i64 = values.into_iter().flatten().sum();
+    for (&(post, want), count) in sample.iter().zip(&counts) {
+        let got = count.likes;
         if got != want {
             wrong += 1;
             if wrong <= 3 {

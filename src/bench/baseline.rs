@@ -180,7 +180,7 @@ pub(super) fn measure(
         broker_cpu: broker_before.zip(broker_after).map(|(b, a)| a - b),
         latency: None,
         checked: if writes && complete {
-            Some(check_sample(&mut conn, &prefix, truth)?)
+            Some(check_sample(&env.redis, &prefix, truth)?)
         } else {
             None
         },

@@ -226,7 +226,7 @@ pub(super) fn measure(
         }
         measured.rss_kib = peak_rss_kib(&pid).or(measured.rss_kib);
     }
-    measured.checked = Some(check_sample(&mut conn, &prefix, truth)?);
+    measured.checked = Some(check_sample(&env.redis, &prefix, truth)?);
     terminate(&mut child);
     Ok(measured)
 }
