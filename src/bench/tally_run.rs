@@ -57,7 +57,9 @@ impl FenceWatch {
         Ok(fences
             .iter()
             .zip(marks)
-            .map(|(fence, &(low, _))| fence.map_or(0, |f| (f + 1 - low).max(0) as u64))
+            .map(|(fence, &(low, high))| {
+                fence.map_or(0, |f| ((f + 1).min(high) - low).max(0) as u64)
+            })
             .sum())
     }
 
@@ -212,14 +214,17 @@ pub(super) fn measure(
             .unwrap_or((measured.rate() * latency.load) as u64)
             .max(1);
         let result = latency_phase(env, topic, &prefix, shape, rate, latency.secs, truth);
-        match result {
-            Ok(figures) => measured.latency = Some(figures),
+        let events = match result {
+            Ok(figures) => {
+                measured.latency = Some(figures);
+                figures.events
+            }
             Err(error) => {
                 terminate(&mut child);
                 return Err(error);
             }
-        }
-        let marks = watermarks(&env.brokers, topic, partitions)?;
+        };
+        let marks = settled_watermarks(&env.brokers, topic, partitions, total + events)?;
         if let Err(error) = watch.until_caught_up(&marks, &mut child, None) {
             terminate(&mut child);
             return Err(error);
@@ -242,6 +247,43 @@ pub(super) struct LatencyPlan {
     pub secs: u64,
 }
 
+/// The topic's watermarks once they hold `messages` messages, every one the
+/// broker acknowledged: catching up to marks read too early would check counts
+/// before the last events are applied.
+fn settled_watermarks(
+    brokers: &str,
+    topic: &str,
+    partitions: u32,
+    messages: u64,
+) -> Result<Vec<(i64, i64)>> {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    let mut behind = false;
+    loop {
+        let marks = watermarks(brokers, topic, partitions)?;
+        let held: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
+        if held >= messages {
+            if behind {
+                eprintln!(
+                    "{topic}: the watermarks reached the {messages} acknowledged messages after {} ms",
+                    started.elapsed().as_millis()
+                );
+            }
+            return Ok(marks);
+        }
+        if !behind {
+            behind = true;
+            eprintln!(
+                "{topic}: the watermarks hold {held} messages, {messages} were acknowledged; waiting"
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("{topic} holds {held} messages by its watermarks; {messages} were acknowledged");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Produce-acknowledged-to-visible latency of the marker post.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Latency {
@@ -255,6 +297,8 @@ pub(super) struct Latency {
     pub reached_rate: u64,
     /// Marker likes timed.
     pub samples: usize,
+    /// Events the broker acknowledged during the phase.
+    pub events: u64,
 }
 
 /// Marker post of the latency phase, far from generated ids.
@@ -337,5 +381,6 @@ fn latency_phase(
         target_rate: rate,
         reached_rate: reached,
         samples: ms.len(),
+        events: summary.acked,
     })
 }
