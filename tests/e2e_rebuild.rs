@@ -6,7 +6,8 @@
 //!   value once the pointer had moved;
 //! * FLUSHALL, then a rebuild restores every count, and `tally run` carries on in the new
 //!   generation; a later rebuild, killed and aborted, leaves no key behind;
-//! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise.
+//! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise;
+//! * `--from-timestamp` counts exactly the events stamped after it and says how many it skipped.
 
 mod common;
 
@@ -508,4 +509,68 @@ fn verify_reports_exactly_the_corrupted_post() {
     let out = tally_cli(&narrowed);
     assert!(out.status.success(), "{}", text(&out));
     live.assert_running();
+}
+
+#[test]
+fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
+    const PARTITIONS: i32 = 3;
+    let run = Scenario::new("e2e_rebuild_from", "rbt", PARTITIONS);
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let mut conn = redis.conn();
+    let mut workload = Workload::new(run.seed, PARTITIONS);
+    let before = workload.grow(3_000);
+    produce(&run.brokers, &run.topic, workload.messages(before));
+    let earlier = workload.truth.clone();
+    // Kafka stamps each message when the producer sends it; leave a clear gap around `from`.
+    thread::sleep(Duration::from_millis(1_500));
+    let from = now_ms();
+    thread::sleep(Duration::from_millis(1_500));
+    let after = workload.grow(3_000);
+    produce(&run.brokers, &run.topic, workload.messages(after));
+    let mut later = workload.truth.clone();
+    for (post, count) in &earlier {
+        *later.entry(*post).or_insert(0) -= count;
+    }
+
+    let args = run.tally_args(&url);
+    let mut live = Tally::spawn_args("live", &args);
+    let hwms = run.hwms(6_000);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        live.assert_running()
+    });
+    assert!(live.sigterm_and_wait(Duration::from_secs(20)).success());
+    assert_counts_eq(&read_counts(&mut conn, &run.prefix), &workload.truth);
+
+    let from_arg = from.to_string();
+    let refs: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .chain(["--from-timestamp", &from_arg])
+        .collect();
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &refs);
+    assert!(
+        wait_exit(&mut rebuild, Duration::from_secs(180)),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    let g1 = format!("{}:g1", run.prefix);
+    assert_counts_eq(&read_counts(&mut conn, &g1), &later);
+    let log = rebuild.log_text();
+    assert!(
+        log.contains(&format!("--from-timestamp {from} skips them")),
+        "{}",
+        rebuild.log_tail(20)
+    );
+    assert_eq!(
+        logged_field(
+            &log,
+            "REBUILD STARTS AT THE RETENTION BOUNDARY",
+            "offsets_skipped"
+        ),
+        Some(3_000),
+        "{}",
+        rebuild.log_tail(20)
+    );
 }
