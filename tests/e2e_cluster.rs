@@ -1,7 +1,8 @@
 //! tally on a real Redis Cluster: exact counts with a viral post spread over
 //! every primary, through slot migration, SCRIPT FLUSH, primary failover, a
 //! primary restarted from an AOF that lost its last writes, and consumers
-//! killed between the scripts of one batch.
+//! killed between the scripts of one batch; and a rebuild under live traffic,
+//! verify and gc, each across every primary.
 
 mod cluster;
 mod common;
@@ -220,4 +221,116 @@ fn killed_between_the_scripts_of_a_batch_counts_exactly() {
     }
     let workload = producer.stop();
     finish(&run, &cluster, &workload, &mut [&mut tally]);
+}
+
+/// `tally <args>`, waited for.
+fn tally_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(args)
+        .output()
+        .expect("run tally")
+}
+
+fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn rebuild_verify_and_gc_on_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let url = cluster.url();
+    let (run, workload) = setup("cluster-rebuild", 30_000);
+    let live_args = args(&run, &cluster, &[]);
+    let mut live = Tally::spawn_args("live", &live_args);
+    let producer = run.stream(workload, 1_000, Duration::from_millis(100));
+    thread::sleep(Duration::from_secs(3));
+
+    // A rebuild under live traffic: generation 1 is written slot group by slot group, on every
+    // primary, and the live consumer follows the pointer to it.
+    let refs: Vec<&str> = live_args.iter().map(String::as_str).collect();
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &refs);
+    let status = wait_for("the rebuild to finish", Duration::from_secs(240), || {
+        live.assert_running();
+        rebuild.try_status()
+    });
+    assert!(
+        status.success(),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    thread::sleep(Duration::from_secs(2));
+    let workload = producer.stop();
+    eprintln!("[e2e_cluster] {}", workload.describe());
+    let g1 = format!("{}:g1", run.prefix);
+    let hwms = run.hwms(workload.events.len());
+    cluster.wait_applied(
+        &g1,
+        &run.group,
+        &run.topic,
+        &hwms,
+        GROUPS,
+        Duration::from_secs(180),
+        || live.assert_running(),
+    );
+    assert_counts_eq(&cluster.read_counts(&g1), &workload.truth);
+    assert_reader_exact(&run, &cluster, &workload);
+
+    // verify recounts the topic and agrees; a bucket changed by hand is reported.
+    let verify: Vec<&str> = ["verify"].into_iter().chain(refs.iter().copied()).collect();
+    let out = tally_cli(&verify);
+    assert!(out.status.success(), "verify: {}", output_text(&out));
+    let victim = workload.viral_post;
+    let keys: Vec<String> = cluster
+        .scan(&format!("{g1}:likes:{victim}:*"))
+        .into_keys()
+        .collect();
+    assert!(!keys.is_empty(), "no keys for post {victim} in {g1}");
+    let seed = format!("redis://127.0.0.1:{}/", cluster.primaries()[0].0);
+    let mut conn = redis::cluster::ClusterClient::new(vec![seed])
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("INCRBY")
+        .arg(&keys[0])
+        .arg(5)
+        .query(&mut conn)
+        .unwrap();
+    let drift = tally_cli(&verify);
+    let report = output_text(&drift);
+    assert!(
+        !drift.status.success(),
+        "verify must fail on drift: {report}"
+    );
+    assert!(report.contains("; 1 drift"), "{report}");
+    assert!(report.contains(&format!("{victim} ")), "{report}");
+    let _: () = redis::cmd("DECRBY")
+        .arg(&keys[0])
+        .arg(5)
+        .query(&mut conn)
+        .unwrap();
+
+    // gc removes generation 0 from every primary and leaves generation 1 whole.
+    assert!(!cluster.read_counts(&run.prefix).is_empty());
+    let groups = GROUPS.to_string();
+    let out = tally_cli(&[
+        "gc",
+        "--grace-secs",
+        "0",
+        "--redis",
+        &url,
+        "--prefix",
+        &run.prefix,
+        "--slot-groups",
+        &groups,
+    ]);
+    assert!(out.status.success(), "gc: {}", output_text(&out));
+    eprintln!("[e2e_cluster] gc: {}", output_text(&out).trim());
+    assert!(cluster.read_counts(&run.prefix).is_empty());
+    assert_counts_eq(&cluster.read_counts(&g1), &workload.truth);
+    let status = live.sigterm_and_wait(Duration::from_secs(30));
+    assert!(status.success(), "exit {status}:\n{}", live.log_tail(30));
 }
