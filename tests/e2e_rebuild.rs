@@ -308,23 +308,62 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
     assert!(status.success());
 }
 
+/// A three-partition scenario against its own redis-server.
+struct Small {
+    run: Scenario,
+    redis: RedisServer,
+    conn: redis::Connection,
+    args: Vec<String>,
+}
+
+impl Small {
+    const PARTITIONS: i32 = 3;
+
+    fn new(name: &str, short: &str) -> Small {
+        let run = Scenario::new(name, short, Self::PARTITIONS);
+        let redis = RedisServer::start();
+        let conn = redis.conn();
+        let args = run.tally_args(&redis.url());
+        Small {
+            run,
+            redis,
+            conn,
+            args,
+        }
+    }
+
+    /// Starts `tally run` and waits until it has applied all `messages` of the topic.
+    fn count_all(&mut self, messages: usize) -> Tally {
+        let mut live = Tally::spawn_args("live", &self.args);
+        let hwms = self.run.hwms(messages);
+        self.run
+            .wait_applied(&mut self.conn, &hwms, Duration::from_secs(120), || {
+                live.assert_running()
+            });
+        live
+    }
+}
+
 #[test]
 fn flushall_then_rebuild_restores_every_count() {
-    const PARTITIONS: i32 = 3;
-    let run = Scenario::new("e2e_rebuild_flush", "rbf", PARTITIONS);
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let mut conn = redis.conn();
-    let mut workload = Workload::new(run.seed, PARTITIONS);
+    const PARTITIONS: i32 = Small::PARTITIONS;
+    let mut small = Small::new("e2e_rebuild_flush", "rbf");
+    let mut workload = Workload::new(small.run.seed, PARTITIONS);
     let first = workload.grow(8_000);
-    produce(&run.brokers, &run.topic, workload.messages(first));
-    let args = run.tally_args(&url);
-    let mut live = Tally::spawn_args("live", &args);
-    let hwms = run.hwms(8_000);
-    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
-        live.assert_running()
-    });
+    produce(
+        &small.run.brokers,
+        &small.run.topic,
+        workload.messages(first),
+    );
+    let mut live = small.count_all(8_000);
     assert!(live.sigterm_and_wait(Duration::from_secs(20)).success());
+    let Small {
+        run,
+        redis,
+        mut conn,
+        args,
+    } = small;
+    let url = redis.url();
 
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
     assert!(read_counts(&mut conn, &run.prefix).is_empty());
@@ -428,23 +467,20 @@ fn flushall_then_rebuild_restores_every_count() {
 
 #[test]
 fn verify_reports_exactly_the_corrupted_post() {
-    const PARTITIONS: i32 = 3;
-    let run = Scenario::new("e2e_verify", "vfy", PARTITIONS);
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let mut conn = redis.conn();
-    let workload = Workload::generate(run.seed, 6_000, PARTITIONS);
+    let mut small = Small::new("e2e_verify", "vfy");
+    let workload = Workload::generate(small.run.seed, 6_000, Small::PARTITIONS);
     produce(
-        &run.brokers,
-        &run.topic,
+        &small.run.brokers,
+        &small.run.topic,
         workload.messages(0..workload.events.len()),
     );
-    let args = run.tally_args(&url);
-    let mut live = Tally::spawn_args("live", &args);
-    let hwms = run.hwms(6_000);
-    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
-        live.assert_running()
-    });
+    let mut live = small.count_all(6_000);
+    let Small {
+        run,
+        redis: _redis,
+        mut conn,
+        args,
+    } = small;
     let verify: Vec<&str> = ["verify"]
         .into_iter()
         .chain(args.iter().map(String::as_str))
@@ -513,12 +549,9 @@ fn verify_reports_exactly_the_corrupted_post() {
 
 #[test]
 fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
-    const PARTITIONS: i32 = 3;
-    let run = Scenario::new("e2e_rebuild_from", "rbt", PARTITIONS);
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let mut conn = redis.conn();
-    let mut workload = Workload::new(run.seed, PARTITIONS);
+    let mut small = Small::new("e2e_rebuild_from", "rbt");
+    let run = &small.run;
+    let mut workload = Workload::new(run.seed, Small::PARTITIONS);
     let before = workload.grow(3_000);
     produce(&run.brokers, &run.topic, workload.messages(before));
     let earlier = workload.truth.clone();
@@ -533,13 +566,14 @@ fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
         *later.entry(*post).or_insert(0) -= count;
     }
 
-    let args = run.tally_args(&url);
-    let mut live = Tally::spawn_args("live", &args);
-    let hwms = run.hwms(6_000);
-    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
-        live.assert_running()
-    });
+    let mut live = small.count_all(6_000);
     assert!(live.sigterm_and_wait(Duration::from_secs(20)).success());
+    let Small {
+        run,
+        mut conn,
+        args,
+        ..
+    } = small;
     assert_counts_eq(&read_counts(&mut conn, &run.prefix), &workload.truth);
 
     let from_arg = from.to_string();
