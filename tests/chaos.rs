@@ -192,6 +192,16 @@ mod steps {
         args
     }
 
+    /// `args` with librdkafka's session timeout set to `ms` in place of the tests' 6 s.
+    pub fn with_session_timeout(args: Vec<String>, ms: u64) -> Vec<String> {
+        args.into_iter()
+            .map(|arg| match arg.strip_prefix("session.timeout.ms=") {
+                Some(_) => format!("session.timeout.ms={ms}"),
+                None => arg,
+            })
+            .collect()
+    }
+
     pub fn metrics_addr() -> String {
         format!("127.0.0.1:{}", free_port())
     }

@@ -37,14 +37,7 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
                 .expect("TALLY_CHAOS_BROKER_SESSION_MS: milliseconds")
         })
         .unwrap_or(45_000);
-    let args: Vec<String> = run
-        .tally_args(&redis.url())
-        .into_iter()
-        .map(|arg| match arg.strip_prefix("session.timeout.ms=") {
-            Some(_) => format!("session.timeout.ms={session_ms}"),
-            None => arg,
-        })
-        .collect();
+    let args = with_session_timeout(run.tally_args(&redis.url()), session_ms);
     let mut tally = Tally::spawn_args("consumer", &args);
     let producer = run.stream(w, s.chunk, s.pause);
     for stop in 1..=s.broker_stops {
