@@ -1,7 +1,8 @@
 //! Operations: a running `tally` answers `/healthz`, `/readyz` and `/metrics`
 //! while it counts into a Redis that requires an ACL user (password from a
 //! file), readiness follows Redis going away, and a wrong password stops the
-//! process with exactly one clear line and exit code 1, without the secret.
+//! process with exactly one clear line and exit code 1, without the secret; a
+//! member that owns no partition says so.
 
 mod common;
 
@@ -130,4 +131,51 @@ fn a_wrong_redis_password_is_one_line_and_exit_code_1() {
     );
     assert!(!stderr.contains("not-the-pw"), "the password was printed");
     assert!(output.stdout.is_empty());
+}
+
+#[test]
+fn a_member_left_without_partitions_says_so() {
+    // One partition, two members: one of them owns nothing and must say so after 30 s.
+    let run = Scenario::new("e2e_ops_idle", "idle", 1);
+    let redis = RedisServer::start();
+    let args = run.tally_args(&redis.url());
+    let mut owner = Tally::spawn_args("owner", &args);
+    wait_for(
+        "the first member to own the partition",
+        Duration::from_secs(60),
+        || {
+            owner.assert_running();
+            owner
+                .log_text()
+                .contains("Partitions assigned. partitions=0@")
+                .then_some(())
+        },
+    );
+    let mut idle = Tally::spawn_args("idle", &args);
+    let warning = "No partition assigned for 30 s";
+    wait_for(
+        "a warning from the member without partitions",
+        Duration::from_secs(90),
+        || {
+            owner.assert_running();
+            idle.assert_running();
+            [&owner, &idle]
+                .iter()
+                .any(|t| t.log_text().contains(warning))
+                .then_some(())
+        },
+    );
+    let line = [&owner, &idle]
+        .iter()
+        .flat_map(|t| t.log_text().lines().map(str::to_owned).collect::<Vec<_>>())
+        .find(|l| l.contains(warning))
+        .unwrap();
+    assert!(
+        line.contains("more members than the topic has partitions")
+            && line.contains("idle_secs=30"),
+        "{line}"
+    );
+    for t in [&mut owner, &mut idle] {
+        assert!(t.sigterm_and_wait(Duration::from_secs(20)).success());
+    }
 }
