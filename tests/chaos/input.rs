@@ -224,7 +224,7 @@ fn random_key(rng: &mut StdRng) -> Option<Vec<u8>> {
 /// into a stream of real events. Good events are counted exactly; every bad one is counted in
 /// `tally_bad_messages_total` and found in the dead-letter topic.
 pub fn hostile(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let run = Scenario::new("chaos_hostile", "hostile", PARTITIONS);
+    let (_broker, run) = fresh_scenario("chaos_hostile", "hostile");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xbad);
     let dlt = unique("likes-hostile-dlq");
     create_topic(&dlt, 4);

@@ -11,20 +11,20 @@ use crate::report::{Leaks, Row, resources};
 use crate::steps::*;
 use crate::{PARTITIONS, Settings};
 
-/// A topic with a first wave produced, and a single redis-server.
-fn start(name: &str, s: &Settings) -> (Scenario, Workload, RedisServer) {
-    let run = Scenario::new(&format!("chaos_{name}"), name, PARTITIONS);
+/// A broker of its own with a first wave produced, and a single redis-server.
+fn start(name: &str, s: &Settings) -> (Broker, Scenario, Workload, RedisServer) {
+    let (broker, run) = fresh_scenario(&format!("chaos_{name}"), name);
     let redis = RedisServer::start();
     let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(s.first_wave);
     produce(&run.brokers, &run.topic, w.messages(first));
-    (run, w, redis)
+    (broker, run, w, redis)
 }
 
 /// Scenario 1: two consumers; every 1–5 s a random live one is SIGKILLed. A killed consumer is
 /// started again once the broker has expired it.
 pub fn random_kills(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (run, w, redis) = start("kills", s);
+    let (_broker, run, w, redis) = start("kills", s);
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0x6b11);
     // Small batches: more scripts in flight, so kills land mid-apply.
     let args = args_with(
@@ -82,7 +82,7 @@ pub fn random_kills(s: &Settings, row: &mut Row, _: &mut Leaks) {
 /// Scenario 2: one steady consumer; three more join and leave (SIGTERM), again and again. After
 /// every scale-down the steady consumer's RSS and open descriptors are sampled.
 pub fn scaling(s: &Settings, row: &mut Row, leaks: &mut Leaks) {
-    let (run, w, redis) = start("scaling", s);
+    let (_broker, run, w, redis) = start("scaling", s);
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0x5ca1e);
     // Members leave with SIGTERM here, so nothing waits on the session timeout. A longer one than
     // the tests' 6 s keeps Tansu 0.6 from expiring members that are waiting on its 3 s pause
@@ -188,7 +188,7 @@ pub fn scaling(s: &Settings, row: &mut Row, leaks: &mut Leaks) {
 /// arriving; a newcomer joins so live members own everything; then the zombie wakes up holding
 /// batches for partitions it no longer owns.
 pub fn zombie(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (run, w, redis) = start("zombie", s);
+    let (_broker, run, w, redis) = start("zombie", s);
     let base = run.tally_args(&redis.url());
     // Consumers hold their batches longer, so the frozen one is caught with work in hand.
     let slow = ["--flush-interval-ms", "1000", "--batch-max-events", "20000"];
