@@ -227,7 +227,7 @@ pub fn hostile(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let (_broker, run) = fresh_scenario("chaos_hostile", "hostile");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xbad);
     let dlt = unique("likes-hostile-dlq");
-    create_topic(&dlt, 4);
+    create_topic_on(&run.brokers, &dlt, 4);
     let redis = RedisServer::start();
     let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(s.first_wave);
