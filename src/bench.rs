@@ -100,6 +100,11 @@ pub struct BenchConfig {
     #[arg(short = 'P', long = "producer-config", value_parser = crate::produce::parse_key_value)]
     pub producer_config: Vec<(String, String)>,
 
+    /// Argument for the measured `tally run`, repeatable: --tally-arg=--buckets=1. Without any,
+    /// tally runs with its defaults; the report names the arguments.
+    #[arg(long = "tally-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub tally_args: Vec<String>,
+
     /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -165,6 +170,8 @@ struct Env {
     kafka_args: Vec<String>,
     /// librdkafka settings of the producers that write each workload.
     producer_config: Vec<(String, String)>,
+    /// Extra arguments of the measured `tally run`.
+    tally_args: Vec<String>,
 }
 
 /// What one consumer achieved on one workload.
@@ -246,6 +253,7 @@ fn bench_blocking(config: BenchConfig) -> Result<()> {
             .flat_map(|(k, v)| ["-X".to_string(), format!("{k}={v}")])
             .collect(),
         producer_config: config.producer_config.clone(),
+        tally_args: config.tally_args.clone(),
     };
     eprintln!(
         "broker {}, redis {}, logs in {}",

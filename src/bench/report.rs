@@ -201,7 +201,12 @@ pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> R
         )?;
         let label = "naive, pipelined per poll batch";
         row(&mut out, label, &o.pipelined, &capped(&o.pipelined))?;
-        row(&mut out, "tally run (defaults)", &o.tally, "")?;
+        let label = if config.tally_args.is_empty() {
+            "tally run (defaults)".to_string()
+        } else {
+            format!("tally run ({})", config.tally_args.join(" "))
+        };
+        row(&mut out, &label, &o.tally, "")?;
         let versus = |naive: &Measured| {
             let fewer = |a: Option<f64>, b: Option<f64>| match (a, b) {
                 (Some(a), Some(b)) => ratio(a, b),

@@ -175,6 +175,7 @@ pub(super) fn measure(
         ])
         .args(["--redis", &env.redis, "--prefix", &prefix])
         .args(&env.kafka_args)
+        .args(&env.tally_args)
         .env("TALLY_LOG", "info,rdkafka=warn")
         .stdout(Stdio::null())
         .stderr(log)
@@ -245,6 +246,22 @@ pub(super) struct LatencyPlan {
     pub load: f64,
     /// Length of the phase.
     pub secs: u64,
+}
+
+/// The buckets per post the measured `tally run` writes: its `--buckets` argument, if given.
+fn buckets(env: &Env) -> u32 {
+    let mut args = env.tally_args.iter();
+    while let Some(arg) = args.next() {
+        let value = match arg.strip_prefix("--buckets") {
+            Some("") => args.next().map(String::as_str),
+            Some(rest) => rest.strip_prefix('='),
+            None => None,
+        };
+        if let Some(n) = value.and_then(|v| v.parse().ok()) {
+            return n;
+        }
+    }
+    DEFAULT_BUCKETS
 }
 
 /// The topic's watermarks once they hold `messages` messages, every one the
@@ -323,7 +340,7 @@ fn latency_phase(
         every: (rate / MARKERS_PER_SEC).max(1),
     };
     let key =
-        KeyLayout::new(prefix).counter_key(MARKER_POST, bucket_of(marker.user_id, DEFAULT_BUCKETS));
+        KeyLayout::new(prefix).counter_key(MARKER_POST, bucket_of(marker.user_id, buckets(env)));
     let (stop, want) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicU64::new(u64::MAX)),
