@@ -62,6 +62,19 @@ fn wait_exit(tally: &mut Tally, timeout: Duration) -> bool {
     status.success()
 }
 
+/// Runs `tally rebuild` with `args` to the end into generation 1, which the pointer then names;
+/// returns the finished process (for its log) and generation 1's prefix.
+fn rebuild_into_g1(conn: &mut redis::Connection, prefix: &str, args: &[&str]) -> (Tally, String) {
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", args);
+    assert!(
+        wait_exit(&mut rebuild, Duration::from_secs(180)),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    assert_eq!(pointer(conn, prefix), 1);
+    (rebuild, format!("{prefix}:g1"))
+}
+
 /// The number after `field=` on the last log line holding `needle`.
 fn logged_field(log: &str, needle: &str, field: &str) -> Option<u64> {
     let line = log.lines().rev().find(|l| l.contains(needle))?;
@@ -368,14 +381,7 @@ fn flushall_then_rebuild_restores_every_count() {
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
     assert!(read_counts(&mut conn, &run.prefix).is_empty());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &refs);
-    assert!(
-        wait_exit(&mut rebuild, Duration::from_secs(180)),
-        "rebuild failed:\n{}",
-        rebuild.log_tail(40)
-    );
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
-    let g1 = format!("{}:g1", run.prefix);
+    let (rebuild, g1) = rebuild_into_g1(&mut conn, &run.prefix, &refs);
     assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
 
     // The library's reader follows the pointer.
@@ -582,14 +588,7 @@ fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
         .map(String::as_str)
         .chain(["--from-timestamp", &from_arg])
         .collect();
-    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &refs);
-    assert!(
-        wait_exit(&mut rebuild, Duration::from_secs(180)),
-        "rebuild failed:\n{}",
-        rebuild.log_tail(40)
-    );
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
-    let g1 = format!("{}:g1", run.prefix);
+    let (rebuild, g1) = rebuild_into_g1(&mut conn, &run.prefix, &refs);
     assert_counts_eq(&read_counts(&mut conn, &g1), &later);
     let log = rebuild.log_text();
     assert!(

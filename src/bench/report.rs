@@ -114,6 +114,12 @@ fn today_utc() -> String {
     format!("{year:04}-{month:02}-{day:02}")
 }
 
+/// librdkafka settings as `key=value, ...`.
+fn key_values(settings: &[(String, String)]) -> String {
+    let pairs: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    pairs.join(", ")
+}
+
 pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> Result<String> {
     let mut conn = redis_conn(&env.redis)?;
     let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
@@ -137,27 +143,17 @@ pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> R
     writeln!(out, "Command: `{}` (release build).  ", command.trim_end())?;
     writeln!(out, "Machine: {}.  ", machine())?;
     if !config.kafka_config.is_empty() {
-        let settings: Vec<String> = config
-            .kafka_config
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
         writeln!(
             out,
-            "Every consumer (raw, naive and tally) was given `{}`; tally otherwise ran with its defaults.  ",
-            settings.join(", ")
+            "Every consumer (raw, naive and tally) was given `{}`.  ",
+            key_values(&config.kafka_config)
         )?;
     }
     if !config.producer_config.is_empty() {
-        let settings: Vec<String> = config
-            .producer_config
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
         writeln!(
             out,
             "The workloads were produced with `{}` on top of the generator's defaults.  ",
-            settings.join(", ")
+            key_values(&config.producer_config)
         )?;
     }
     writeln!(
