@@ -9,12 +9,11 @@ mod common;
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rand::{Rng, SeedableRng};
 
 const PARTITIONS: i32 = 6;
 const HOT: u64 = 777_000_777;
@@ -74,31 +73,8 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
         150,
         Duration::from_millis(100),
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let hot_likes = Arc::new(AtomicU64::new(0));
-    let hot_producer = {
-        let (brokers, topic, stop, hot_likes) = (
-            run.brokers.clone(),
-            run.topic.clone(),
-            stop.clone(),
-            hot_likes.clone(),
-        );
-        let mut rng = rand::rngs::StdRng::seed_from_u64(run.seed ^ 0x5eed);
-        thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                let messages: Vec<Msg> = (0..HOT_PER_ROUND)
-                    .map(|i| {
-                        let user: u64 = rng.random();
-                        let value = encode_like(HOT, user, LIKE, now_ms());
-                        (None, value, (i as i32) % PARTITIONS)
-                    })
-                    .collect();
-                produce(&brokers, &topic, messages);
-                hot_likes.fetch_add(HOT_PER_ROUND as u64, Ordering::SeqCst);
-                thread::sleep(ROUND);
-            }
-        })
-    };
+    let hot_producer = run.hot_likes(HOT, HOT_PER_ROUND, PARTITIONS, ROUND, run.seed ^ 0x5eed);
+    let stop = hot_producer.stop_flag();
 
     // The reader's view must never be below what a key scan found just before it: the hot post
     // only gains likes, so a smaller read would mean keys a writer used were left out.
@@ -200,13 +176,12 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
     let (mut fast, fast_metrics) = consumer("fast-cache-2", "100");
     thread::sleep(Duration::from_secs(4));
 
-    stop.store(true, Ordering::SeqCst);
-    hot_producer.join().unwrap();
+    let hot_likes = hot_producer.stop();
     reader.join().expect("reader thread");
     let workload = background.stop();
     let mut truth: HashMap<u64, i64> = workload.truth.clone();
-    *truth.entry(HOT).or_insert(0) += hot_likes.load(Ordering::SeqCst) as i64;
-    let total: i64 = workload.events.len() as i64 + hot_likes.load(Ordering::SeqCst) as i64;
+    *truth.entry(HOT).or_insert(0) += hot_likes as i64;
+    let total: i64 = workload.events.len() as i64 + hot_likes as i64;
     let hwms = run.hwms(total as usize);
     run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
         fast.assert_running();

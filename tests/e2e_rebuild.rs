@@ -13,13 +13,12 @@ mod common;
 
 use std::collections::HashMap;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rand::{Rng, SeedableRng};
 
 const HOT: u64 = 424_242_424;
 const HOT_PER_ROUND: usize = 20;
@@ -111,30 +110,14 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
 
     // Live traffic from here on: background events, and likes of the hot post only.
     let background = run.stream(workload, 100, Duration::from_millis(100));
-    let stop = Arc::new(AtomicBool::new(false));
-    let hot_likes = Arc::new(AtomicU64::new(0));
-    let hot_producer = {
-        let (brokers, topic, stop, hot_likes) = (
-            run.brokers.clone(),
-            run.topic.clone(),
-            stop.clone(),
-            hot_likes.clone(),
-        );
-        let mut rng = rand::rngs::StdRng::seed_from_u64(run.seed ^ 0x407);
-        thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                let messages: Vec<Msg> = (0..HOT_PER_ROUND)
-                    .map(|i| {
-                        let value = encode_like(HOT, rng.random(), LIKE, now_ms());
-                        (None, value, (i as i32) % PARTITIONS)
-                    })
-                    .collect();
-                produce(&brokers, &topic, messages);
-                hot_likes.fetch_add(HOT_PER_ROUND as u64, Ordering::SeqCst);
-                thread::sleep(Duration::from_millis(100));
-            }
-        })
-    };
+    let hot_producer = run.hot_likes(
+        HOT,
+        HOT_PER_ROUND,
+        PARTITIONS,
+        Duration::from_millis(100),
+        run.seed ^ 0x407,
+    );
+    let stop = hot_producer.stop_flag();
 
     // A reader polls the hot post through the library, noting the pointer it saw before each read.
     let samples: Arc<Mutex<Vec<(u64, i64)>>> = Arc::default();
@@ -237,12 +220,10 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
 
     // Traffic goes on for a while in generation 1, then stops; everything must be exact.
     thread::sleep(Duration::from_secs(3));
-    stop.store(true, Ordering::SeqCst);
-    hot_producer.join().unwrap();
+    let hot_total = hot_producer.stop() as i64;
     reader.join().expect("reader thread");
     let workload = background.stop();
     let mut truth: HashMap<u64, i64> = workload.truth.clone();
-    let hot_total = hot_likes.load(Ordering::SeqCst) as i64;
     *truth.entry(HOT).or_insert(0) += hot_total;
     let hwms = run.hwms(workload.events.len() + hot_total as usize);
     wait_applied_while(

@@ -1,12 +1,15 @@
 //! One end-to-end run's names and plumbing: a seed, fresh topic, group and key
-//! prefix on the shared broker, a producer thread that keeps events arriving
+//! prefix on the shared broker, producer threads that keep events arriving
 //! while faults are injected, and the final wait-and-compare against the
 //! workload's own ground truth.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use super::*;
 
@@ -91,6 +94,26 @@ impl Scenario {
     pub fn stream(&self, workload: Workload, chunk: usize, pause: Duration) -> Stream {
         Stream::start(&self.brokers, &self.topic, workload, chunk, pause)
     }
+
+    /// Starts producing `per_round` likes of `post` every `pause` until stopped (see `HotLikes`).
+    pub fn hot_likes(
+        &self,
+        post: u64,
+        per_round: usize,
+        partitions: i32,
+        pause: Duration,
+        seed: u64,
+    ) -> HotLikes {
+        HotLikes::start(
+            &self.brokers,
+            &self.topic,
+            post,
+            per_round,
+            partitions,
+            pause,
+            seed,
+        )
+    }
 }
 
 /// A producer thread that keeps a workload growing; `stop` returns the workload.
@@ -128,5 +151,67 @@ impl Stream {
     pub fn stop(self) -> Workload {
         self.stop.store(true, Ordering::SeqCst);
         self.handle.join().expect("producer thread")
+    }
+}
+
+/// A producer thread of likes of one post only, which makes it hot: each round, `per_round`
+/// likes by random users (from `seed`), message `i` to partition `i % partitions`, then a pause.
+/// Its count only grows, so a reader may check it never goes down.
+pub struct HotLikes {
+    stop: Arc<AtomicBool>,
+    likes: Arc<AtomicU64>,
+    handle: JoinHandle<()>,
+}
+
+impl HotLikes {
+    pub fn start(
+        brokers: &str,
+        topic: &str,
+        post: u64,
+        per_round: usize,
+        partitions: i32,
+        pause: Duration,
+        seed: u64,
+    ) -> HotLikes {
+        let stop = Arc::new(AtomicBool::new(false));
+        let likes = Arc::new(AtomicU64::new(0));
+        let (brokers, topic, flag, produced) = (
+            brokers.to_string(),
+            topic.to_string(),
+            stop.clone(),
+            likes.clone(),
+        );
+        let mut rng = StdRng::seed_from_u64(seed);
+        let handle = thread::spawn(move || {
+            while !flag.load(Ordering::SeqCst) {
+                let messages: Vec<Msg> = (0..per_round)
+                    .map(|i| {
+                        let user: u64 = rng.random();
+                        let value = encode_like(post, user, LIKE, now_ms());
+                        (None, value, (i as i32) % partitions)
+                    })
+                    .collect();
+                produce(&brokers, &topic, messages);
+                produced.fetch_add(per_round as u64, Ordering::SeqCst);
+                thread::sleep(pause);
+            }
+        });
+        HotLikes {
+            stop,
+            likes,
+            handle,
+        }
+    }
+
+    /// The flag `stop` raises, for other threads (e.g. a reader) to end with the producer.
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        self.stop.clone()
+    }
+
+    /// Stops producing (raising the stop flag) and returns how many likes were produced.
+    pub fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.join().expect("hot-post producer thread");
+        self.likes.load(Ordering::SeqCst)
     }
 }
