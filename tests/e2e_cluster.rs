@@ -118,22 +118,17 @@ fn three_primaries_with_reshard_and_script_flush_count_exactly() {
     finish(&run, &cluster, &workload, &mut [&mut tally]);
 
     // The ops view agrees: every bucket found on a primary, summing to the truth.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args([
-            "inspect",
-            "post",
-            &viral_post.to_string(),
-            "--redis",
-            &cluster.url(),
-        ])
-        .args([
-            "--prefix",
-            &run.prefix,
-            "--slot-groups",
-            &GROUPS.to_string(),
-        ])
-        .output()
-        .expect("run tally inspect");
+    let out = tally_cli(&[
+        "inspect",
+        "post",
+        &viral_post.to_string(),
+        "--redis",
+        &cluster.url(),
+        "--prefix",
+        &run.prefix,
+        "--slot-groups",
+        &GROUPS.to_string(),
+    ]);
     let report = String::from_utf8_lossy(&out.stdout);
     eprintln!("[e2e_cluster] inspect:\n{report}");
     assert!(
@@ -221,22 +216,6 @@ fn killed_between_the_scripts_of_a_batch_counts_exactly() {
     }
     let workload = producer.stop();
     finish(&run, &cluster, &workload, &mut [&mut tally]);
-}
-
-/// `tally <args>`, waited for.
-fn tally_cli(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(args)
-        .output()
-        .expect("run tally")
-}
-
-fn output_text(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 #[test]

@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
@@ -20,13 +19,6 @@ const HOT: u64 = 777_000_777;
 /// Likes of the hot post per round, spread over every partition.
 const HOT_PER_ROUND: usize = 60;
 const ROUND: Duration = Duration::from_millis(100);
-
-fn tally_cli(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(args)
-        .output()
-        .expect("run tally")
-}
 
 /// The sum of every counter key of `post`, found by SCAN: what writers have applied so far.
 fn scanned_sum(conn: &mut redis::Connection, prefix: &str, post: u64) -> (i64, Vec<String>) {

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -14,12 +13,6 @@ use common::*;
 
 const PARTITIONS: i32 = 2;
 const EVENTS: usize = 2_000;
-
-fn tally_bin() -> PathBuf {
-    std::env::var_os("TALLY_TEST_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")))
-}
 
 /// GET `path` until `accept` takes the answer.
 fn wait_http(

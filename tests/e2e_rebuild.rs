@@ -12,7 +12,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -22,21 +21,6 @@ use common::*;
 
 const HOT: u64 = 424_242_424;
 const HOT_PER_ROUND: usize = 20;
-
-fn tally_cli(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(args)
-        .output()
-        .expect("run tally")
-}
-
-fn text(out: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 fn pointer(conn: &mut redis::Connection, prefix: &str) -> u64 {
     let current: Option<u64> = redis::cmd("HGET")
@@ -277,25 +261,25 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         "4",
     ];
     let out = tally_cli(&[&["count", &HOT.to_string(), "--show-keys"], &common[..]].concat());
-    assert!(out.status.success(), "{}", text(&out));
-    let shown = text(&out);
+    assert!(out.status.success(), "{}", output_text(&out));
+    let shown = output_text(&out);
     assert!(shown.contains(&truth[&HOT].to_string()) && shown.contains(&format!("prefix {g1}")));
     let verify_args: Vec<&str> = ["verify"]
         .into_iter()
         .chain(rebuild_refs.iter().copied())
         .collect();
     let out = tally_cli(&verify_args);
-    assert!(out.status.success(), "verify: {}", text(&out));
+    assert!(out.status.success(), "verify: {}", output_text(&out));
     let out = tally_cli(&[&["gc", "--grace-secs", "3600"], &common[..4]].concat());
     assert!(
-        out.status.success() && text(&out).contains("stay until"),
+        out.status.success() && output_text(&out).contains("stay until"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
     assert!(!read_counts(&mut conn, &run.prefix).is_empty());
     let out = tally_cli(&[&["gc", "--grace-secs", "0"], &common[..4]].concat());
-    assert!(out.status.success(), "{}", text(&out));
-    eprintln!("[e2e_rebuild] gc: {}", text(&out).trim());
+    assert!(out.status.success(), "{}", output_text(&out));
+    eprintln!("[e2e_rebuild] gc: {}", output_text(&out).trim());
     assert!(read_counts(&mut conn, &run.prefix).is_empty());
     assert_counts_eq(&read_counts(&mut conn, &g1), &truth);
     let status = live.sigterm_and_wait(Duration::from_secs(20));
@@ -389,9 +373,9 @@ fn flushall_then_rebuild_restores_every_count() {
     );
     let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
     assert!(
-        text(&out).contains("no unfinished rebuild"),
+        output_text(&out).contains("no unfinished rebuild"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
 
     // A second rebuild, stopped early and aborted, leaves generation 1 as it was.
@@ -417,9 +401,9 @@ fn flushall_then_rebuild_restores_every_count() {
     doomed.kill9();
     let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
     assert!(
-        text(&out).contains("dropped generation 2"),
+        output_text(&out).contains("dropped generation 2"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
     let left: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{g2}:*"))
@@ -474,8 +458,12 @@ fn verify_reports_exactly_the_corrupted_post() {
         .collect();
 
     let clean = tally_cli(&verify);
-    assert!(clean.status.success(), "verify: {}", text(&clean));
-    assert!(text(&clean).contains("; 0 drift"), "{}", text(&clean));
+    assert!(clean.status.success(), "verify: {}", output_text(&clean));
+    assert!(
+        output_text(&clean).contains("; 0 drift"),
+        "{}",
+        output_text(&clean)
+    );
 
     // Corrupt one bucket of one post (not the viral one).
     let victim = *workload
@@ -495,7 +483,7 @@ fn verify_reports_exactly_the_corrupted_post() {
         .query(&mut conn)
         .unwrap();
     let drift = tally_cli(&verify);
-    let report = text(&drift);
+    let report = output_text(&drift);
     eprintln!("[e2e_verify] {report}");
     assert!(
         !drift.status.success(),
@@ -530,7 +518,7 @@ fn verify_reports_exactly_the_corrupted_post() {
         .chain(["--posts", other.as_str()])
         .collect();
     let out = tally_cli(&narrowed);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.status.success(), "{}", output_text(&out));
     live.assert_running();
 }
 

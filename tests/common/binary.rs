@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::process::{Command, ExitStatus, Output};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -61,6 +61,31 @@ pub fn tally_args(
     .collect()
 }
 
+/// The `tally` binary the end-to-end tests run: `TALLY_TEST_BIN`, or the one cargo built.
+pub fn tally_bin() -> PathBuf {
+    std::env::var_os("TALLY_TEST_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")))
+}
+
+/// `tally <args>` as cargo built it, waited for: a one-shot command such as `count`, `promote`,
+/// `verify` or `gc`.
+pub fn tally_cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(args)
+        .output()
+        .expect("run tally")
+}
+
+/// A finished command's stdout followed by its stderr, for assertions and failure messages.
+pub fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 impl Tally {
     pub fn spawn(args: &[&str]) -> Tally {
         Self::spawn_named("tally", args)
@@ -82,10 +107,7 @@ impl Tally {
         let dir = log_dir("tally-");
         let log = dir.path().join(format!("{name}.log"));
         let file = File::create(&log).expect("create tally log");
-        let bin = std::env::var_os("TALLY_TEST_BIN")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")));
-        let mut cmd = Command::new(bin);
+        let mut cmd = Command::new(tally_bin());
         cmd.arg(command)
             .args(args)
             .current_dir(dir.path())
