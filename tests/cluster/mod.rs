@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
+use crate::common::{redis_tool, scan_keys};
+
 /// One node of the cluster.
 pub struct Node {
     pub port: u16,
@@ -22,19 +24,6 @@ pub struct Node {
 pub struct RedisCluster {
     pub nodes: Vec<Node>,
     _dir: TempDir,
-}
-
-fn bin(name: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin")])
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "{name} is not installed; run: apt-get update && apt-get install -y redis-server"
-            )
-        })
 }
 
 /// A port from 20000–45000 whose cluster bus port (port + 10000) is free too.
@@ -73,7 +62,7 @@ fn try_conn(port: u16) -> Option<redis::Connection> {
 impl Node {
     fn start(&mut self) {
         let log = std::fs::File::create(self.dir.join("stdout.log")).unwrap();
-        let child = Command::new(bin("redis-server"))
+        let child = Command::new(redis_tool("redis-server"))
             .arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
@@ -146,7 +135,7 @@ impl RedisCluster {
             node.start();
             nodes.push(node);
         }
-        let mut create = Command::new(bin("redis-cli"));
+        let mut create = Command::new(redis_tool("redis-cli"));
         create.arg("--cluster").arg("create");
         for p in &ports {
             create.arg(format!("127.0.0.1:{p}"));
@@ -246,7 +235,7 @@ impl RedisCluster {
     /// Moves `slots` slots from one primary to another with `redis-cli --cluster reshard`.
     pub fn reshard(&self, from: &str, to: &str, slots: u32) {
         let any = self.primaries()[0].0;
-        let out = Command::new(bin("redis-cli"))
+        let out = Command::new(redis_tool("redis-cli"))
             .args(["--cluster", "reshard", &format!("127.0.0.1:{any}")])
             .args(["--cluster-from", from, "--cluster-to", to])
             .args([
@@ -276,25 +265,10 @@ impl RedisCluster {
         let mut all = HashMap::new();
         for (port, _) in self.primaries() {
             let mut c = conn(port);
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query(&mut c)
-                    .unwrap();
-                for key in keys {
-                    let value: Option<String> = redis::cmd("GET").arg(&key).query(&mut c).unwrap();
-                    if let Some(value) = value {
-                        all.insert(key, value);
-                    }
-                }
-                cursor = next;
-                if cursor == 0 {
-                    break;
+            for key in scan_keys(&mut c, pattern) {
+                let value: Option<String> = redis::cmd("GET").arg(&key).query(&mut c).unwrap();
+                if let Some(value) = value {
+                    all.insert(key, value);
                 }
             }
         }

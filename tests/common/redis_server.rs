@@ -33,7 +33,9 @@ fn redis_check_aof_bin() -> PathBuf {
     redis_tool("redis-check-aof")
 }
 
-fn redis_tool(name: &str) -> PathBuf {
+/// Path of a program installed with redis-server (`redis-cli`, ...): the first on PATH, else in
+/// /usr/bin or /usr/local/bin.
+pub fn redis_tool(name: &str) -> PathBuf {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
