@@ -31,14 +31,6 @@ fn pointer(conn: &mut redis::Connection, prefix: &str) -> u64 {
     current.unwrap_or(0)
 }
 
-/// Offsets applied so far per partition under `prefix` (fence + 1, 0 where absent).
-fn applied(conn: &mut redis::Connection, prefix: &str, run: &Scenario, n: usize) -> Vec<i64> {
-    read_fences(conn, prefix, &run.group, &run.topic, n)
-        .into_iter()
-        .map(|f| f.map_or(0, |f| f + 1))
-        .collect()
-}
-
 /// Waits for a spawned command to exit and returns whether it succeeded.
 fn wait_exit(tally: &mut Tally, timeout: Duration) -> bool {
     let status = wait_for("the command to exit", timeout, || tally.try_status());
@@ -158,14 +150,15 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         Duration::from_secs(120),
         || {
             first.assert_running();
-            let done: i64 = applied(&mut conn, &g1, &run, PARTITIONS as usize)
-                .iter()
-                .sum();
+            let done: i64 =
+                applied_offsets(&mut conn, &g1, &run.group, &run.topic, PARTITIONS as usize)
+                    .iter()
+                    .sum();
             (done >= BACKLOG as i64 / 3).then_some(done)
         },
     );
     first.kill9();
-    let done: i64 = applied(&mut conn, &g1, &run, PARTITIONS as usize)
+    let done: i64 = applied_offsets(&mut conn, &g1, &run.group, &run.topic, PARTITIONS as usize)
         .iter()
         .sum();
     eprintln!(
@@ -391,7 +384,7 @@ fn flushall_then_rebuild_restores_every_count() {
         Duration::from_secs(60),
         || {
             doomed.assert_running();
-            (applied(&mut conn, &g2, &run, PARTITIONS as usize)
+            (applied_offsets(&mut conn, &g2, &run.group, &run.topic, PARTITIONS as usize)
                 .iter()
                 .sum::<i64>()
                 > 0)

@@ -367,6 +367,20 @@ pub fn read_fences(
         .collect()
 }
 
+/// Offsets applied so far in partitions `0..n`: each fence + 1, 0 where the key is missing.
+pub fn applied_offsets(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    group: &str,
+    topic: &str,
+    n: usize,
+) -> Vec<i64> {
+    read_fences(conn, prefix, group, topic, n)
+        .into_iter()
+        .map(|f| f.map_or(0, |f| f + 1))
+        .collect()
+}
+
 /// Waits until the fence of every partition with messages holds its last offset (`hwm - 1`).
 pub fn wait_applied(
     conn: &mut redis::Connection,
