@@ -217,8 +217,7 @@ mod steps {
 
     /// Partitions a consumer owns, from its metrics.
     pub fn assigned(addr: &str) -> Option<u32> {
-        let text = try_scrape_metrics(addr).ok()?;
-        metric_value(&text, "tally_assigned_partitions").map(|v| v as u32)
+        assigned_partitions(addr).map(|v| v as u32)
     }
 
     /// Rebalances a consumer took part in, from its metrics.

@@ -18,11 +18,6 @@ const PAUSE: Duration = Duration::from_millis(200);
 /// The session timeout given to the consumers (tally_args), plus heartbeats and a margin.
 const PAST_SESSION_TIMEOUT: Duration = Duration::from_secs(9);
 
-fn assigned(metrics_addr: &str) -> Option<f64> {
-    let text = try_scrape_metrics(metrics_addr).ok()?;
-    metric_value(&text, "tally_assigned_partitions")
-}
-
 fn batches(metrics_addr: &str) -> String {
     match try_scrape_metrics(metrics_addr) {
         Ok(text) => metric_series(&text, "tally_batches_total")
@@ -64,7 +59,7 @@ fn frozen_member_cannot_double_count_after_waking() {
         Duration::from_secs(60),
         || {
             a.assert_running();
-            (assigned(&addr_a) == Some(f64::from(PARTITIONS))).then_some(())
+            (assigned_partitions(&addr_a) == Some(f64::from(PARTITIONS))).then_some(())
         },
     );
     // The zombie-to-be holds its batches longer, so it is caught with work in hand.
@@ -76,14 +71,14 @@ fn frozen_member_cannot_double_count_after_waking() {
         || {
             a.assert_running();
             b.assert_running();
-            let (na, nb) = (assigned(&addr_a)?, assigned(&addr_b)?);
+            let (na, nb) = (assigned_partitions(&addr_a)?, assigned_partitions(&addr_b)?);
             (na > 0.0 && nb > 0.0 && na + nb == f64::from(PARTITIONS)).then_some(())
         },
     );
     eprintln!(
         "[e2e_zombie] split: a={:?} b={:?}",
-        assigned(&addr_a),
-        assigned(&addr_b)
+        assigned_partitions(&addr_a),
+        assigned_partitions(&addr_b)
     );
 
     // Events keep arriving for the whole freeze.
@@ -103,15 +98,15 @@ fn frozen_member_cannot_double_count_after_waking() {
         || {
             a.assert_running();
             c.assert_running();
-            let (na, nc) = (assigned(&addr_a)?, assigned(&addr_c)?);
+            let (na, nc) = (assigned_partitions(&addr_a)?, assigned_partitions(&addr_c)?);
             (nc > 0.0 && na + nc == f64::from(PARTITIONS)).then_some(())
         },
     );
     eprintln!(
         "[e2e_zombie] {:.1} s into the freeze: a={:?} c={:?}",
         frozen.elapsed().as_secs_f64(),
-        assigned(&addr_a),
-        assigned(&addr_c)
+        assigned_partitions(&addr_a),
+        assigned_partitions(&addr_c)
     );
     // Let the new owners move every partition past where the zombie stopped.
     thread::sleep(Duration::from_secs(3));

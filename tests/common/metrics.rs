@@ -65,6 +65,13 @@ pub fn scrape_metrics(addr: &str) -> String {
     try_scrape_metrics(addr).unwrap_or_else(|e| panic!("scrape http://{addr}/metrics: {e}"))
 }
 
+/// Partitions a running consumer owns, from `tally_assigned_partitions` at `addr`; None while
+/// the endpoint does not answer or lacks the metric.
+pub fn assigned_partitions(addr: &str) -> Option<f64> {
+    let text = try_scrape_metrics(addr).ok()?;
+    metric_value(&text, "tally_assigned_partitions")
+}
+
 /// Value of the series written exactly as `name_with_labels` (e.g. `x_total{reason="decode"}`).
 pub fn metric_value(text: &str, name_with_labels: &str) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
