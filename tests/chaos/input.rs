@@ -103,18 +103,10 @@ fn produce_raw(brokers: &str, topic: &str, messages: &[RawMsg]) -> Vec<(i32, i64
     })
 }
 
-fn varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
 /// An unknown length-delimited field (number 9) holding `len` bytes.
 fn unknown_bytes_field(out: &mut Vec<u8>, len: usize) {
-    varint(out, (9 << 3) | 2);
-    varint(out, len as u64);
+    put_varint(out, (9 << 3) | 2);
+    put_varint(out, len as u64);
     out.extend(std::iter::repeat_n(0xab, len));
 }
 
@@ -139,10 +131,10 @@ fn bad_message(kind: usize, rng: &mut StdRng) -> (&'static str, Option<Vec<u8>>)
         1 => {
             // Cut inside the 10-byte varint of user_id.
             let mut v = vec![1 << 3];
-            varint(&mut v, post);
+            put_varint(&mut v, post);
             v.push(2 << 3);
             let user_at = v.len();
-            varint(&mut v, user);
+            put_varint(&mut v, user);
             v.truncate(user_at + rng.random_range(1..9));
             ("truncated protobuf", Some(v))
         }
@@ -203,8 +195,8 @@ fn odd_good_message(kind: usize, rng: &mut StdRng) -> (u64, Vec<u8>) {
         _ => {
             // post_id written twice: the last one counts.
             let mut v = Vec::new();
-            varint(&mut v, 1 << 3);
-            varint(&mut v, rng.random_range(1..u64::MAX));
+            put_varint(&mut v, 1 << 3);
+            put_varint(&mut v, rng.random_range(1..u64::MAX));
             v.extend(encode_like(post, user, LIKE, t));
             (post, v)
         }

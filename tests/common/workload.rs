@@ -13,7 +13,8 @@ use super::kafka::Msg;
 pub const LIKE: i32 = 1;
 pub const UNLIKE: i32 = 2;
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+/// A protobuf varint (base 128, least significant group first).
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
