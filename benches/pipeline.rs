@@ -1,14 +1,12 @@
 //! Micro-benchmarks of tally's CPU work per event, one core, no I/O.
 //!
-//! * `decode+aggregate`: [`tally::decode::decode`] of real encoded events plus
-//!   [`tally::aggregate::Batch::add`], closing batches at the default limits
+//! * `decode+aggregate`: [`tally::pipeline::decode::decode`] of real encoded events plus
+//!   [`tally::pipeline::aggregate::Batch::add`], closing batches at the default limits
 //!   (100,000 events or 10,000 counters), as the consumer does per partition.
 //!   Throughput is events.
-//! * `script call`: building the `EVALSHA` call of one closed batch the way
-//!   `Applier::prepare` does (which needs a connected `Applier`, so the same
-//!   steps are repeated here: one reused key buffer filled by
-//!   [`tally::routing::KeyLayout::write_counter_key`], then every argument
-//!   appended to a `redis::Cmd`), and packing it into the bytes sent to Redis.
+//! * `script call`: building the `EVALSHA` call of one closed batch with
+//!   [`tally::pipeline::apply::script_call`], the function the applier sends
+//!   every script with, and packing it into the bytes sent to Redis.
 //!   Throughput is counter increments.
 //!
 //! Events come from [`tally::generate::Traffic`] with the benchmark's Zipf
@@ -18,10 +16,11 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tally::aggregate::{Batch, ClosedBatch, CounterId, Limits};
-use tally::config::DEFAULT_BUCKETS;
+use tally::domain::routing::{KeyLayout, bucket_of};
 use tally::generate::{Traffic, TrafficShape};
-use tally::routing::{KeyLayout, bucket_of};
+use tally::infra::config::DEFAULT_BUCKETS;
+use tally::pipeline::aggregate::{Batch, ClosedBatch, CounterId, Limits};
+use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
 
 const EVENTS: usize = 200_000;
 const LIMITS: Limits = Limits {
@@ -39,7 +38,12 @@ fn encoded_events() -> Vec<Vec<u8>> {
     (0..EVENTS)
         .map(|i| {
             let e = traffic.next_event();
-            tally::decode::encode(e.post_id, e.user_id, e.action, 1_700_000_000_000 + i as i64)
+            tally::pipeline::decode::encode(
+                e.post_id,
+                e.user_id,
+                e.action,
+                1_700_000_000_000 + i as i64,
+            )
         })
         .collect()
 }
@@ -48,7 +52,7 @@ fn encoded_events() -> Vec<Vec<u8>> {
 fn aggregate(payloads: &[Vec<u8>], batch: &mut Batch, closed: &mut Vec<ClosedBatch>) {
     for (offset, payload) in payloads.iter().enumerate() {
         let offset = offset as i64;
-        match tally::decode::decode(Some(payload)) {
+        match tally::pipeline::decode::decode(Some(payload)) {
             Ok(like) => {
                 let id = CounterId::v0(like.post_id, bucket_of(like.user_id, DEFAULT_BUCKETS));
                 batch.add(offset, offset, id, like.delta)
@@ -62,22 +66,26 @@ fn aggregate(payloads: &[Vec<u8>], batch: &mut Batch, closed: &mut Vec<ClosedBat
     closed.extend(batch.take());
 }
 
-/// The script call of one batch, built as `Applier::prepare` builds it.
-fn script_call(keys: &KeyLayout, fence_key: &str, batch: &ClosedBatch) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg("0123456789abcdef0123456789abcdef01234567")
-        .arg(batch.deltas.len() + 1)
-        .arg(fence_key);
-    let mut key = String::with_capacity(64);
-    for (id, _) in &batch.deltas {
-        keys.write_counter_key(&mut key, *id);
-        cmd.arg(key.as_str());
+/// One slot group's share of `batch`, as the consumer prepares it.
+fn prepared(batch: &ClosedBatch) -> Prepared {
+    Prepared {
+        partition: 3,
+        group: 0,
+        start: batch.start,
+        last: batch.last,
+        absent_fence: -1,
+        deltas: batch.deltas.clone(),
     }
-    cmd.arg(batch.start).arg(batch.last).arg("1");
-    for &(_, delta) in &batch.deltas {
-        cmd.arg(delta);
-    }
-    cmd
+}
+
+/// The script call of one batch.
+fn call(keys: &KeyLayout, fence_key: &str, prepared: &Prepared) -> redis::Cmd {
+    script_call(
+        ScriptBody::ByHash("0123456789abcdef0123456789abcdef01234567"),
+        keys,
+        fence_key,
+        prepared,
+    )
 }
 
 fn bench(c: &mut Criterion) {
@@ -98,7 +106,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             payloads
                 .iter()
-                .filter(|p| tally::decode::decode(Some(black_box(p))).is_ok())
+                .filter(|p| tally::pipeline::decode::decode(Some(black_box(p))).is_ok())
                 .count()
         })
     });
@@ -113,14 +121,15 @@ fn bench(c: &mut Criterion) {
         .expect("at least one batch");
     let keys = KeyLayout::new("tally");
     let fence_key = keys.fence_key("tally", "likes", 3, 0);
+    let full = &prepared(full);
     let mut group = c.benchmark_group("script call");
     group.throughput(Throughput::Elements(full.deltas.len() as u64));
     group.bench_function(format!("build, {} counters", full.deltas.len()), |b| {
-        b.iter(|| script_call(&keys, &fence_key, black_box(full)))
+        b.iter(|| call(&keys, &fence_key, black_box(full)))
     });
     group.bench_function(
         format!("build + pack, {} counters", full.deltas.len()),
-        |b| b.iter(|| script_call(&keys, &fence_key, black_box(full)).get_packed_command()),
+        |b| b.iter(|| call(&keys, &fence_key, black_box(full)).get_packed_command()),
     );
     group.finish();
 }

@@ -11,7 +11,7 @@ use rand::Rng;
 use rand::rngs::SmallRng;
 use rand_distr::{Distribution, Zipf};
 
-use crate::proto::Action;
+use crate::domain::proto::Action;
 
 /// Shape of the traffic.
 #[derive(Debug, Clone)]

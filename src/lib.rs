@@ -4,81 +4,56 @@
 //! sums them per (post, bucket) and applies each batch to Redis exactly once,
 //! behind a per-partition fence checked and advanced in the same Lua script.
 //!
+//! This crate is the service. It prints nothing and parses no command line:
+//! the `tally` binary (`src/bin/tally/`) turns flags into the settings of
+//! [`infra::config`] and the results of these modules into text.
+//!
 //! # Layout
 //!
-//! The data path, one module per stage:
+//! ```text
+//! pipeline/   the data path of `tally run`, one module per stage
+//!   run         the loop wiring the stages (intake, scripts, follow)
+//!   consume     the group consumer; every assignment starts at its fences
+//!   decode      message bytes to a validated like, or a bad-message reason
+//!   aggregate   per-partition batches of net deltas per (post, bucket)
+//!   apply       a batch behind its fence (apply.lua); the exactly-once argument;
+//!               the one reader of fences
+//!   commit      Kafka offsets, only after the script succeeded
+//!   dead_letter copies of bad messages, confirmed before their batch applies
+//!   hot         hot-post detection and automatic promotion
+//! domain/     what the stored data means
+//!   fence       the pure apply / duplicate / straddle / gap decision
+//!   routing     the stable hash, buckets and the Redis key layout
+//!   slots       Redis Cluster hash slots and slot groups
+//!   versions    per-post routing versions (route_*.lua)
+//!   generation  which key prefix is live: pointer, freeze flag, rebuild record
+//!   layout      a prefix's keys on the store the settings name, opened once
+//!   placement   slot owners, Binomial(N, 1/M) buckets per primary, scans
+//!   proto       the generated LikeEvent
+//! infra/      what the service runs on
+//!   config      the settings (StoreSettings, RunSettings) and their checks
+//!   store       the parsed Redis URL, connections to one server or a cluster
+//!   retry       backoff and the retryable / fatal split of Redis errors
+//!   metrics     every metric name, recorded per batch
+//!   health      readiness state and its background checks
+//!   http        the axum listener for /metrics, /healthz and /readyz
+//!   security    TLS and SASL settings; secrets redacted
+//! ops/        operations on stored counts, returning data
+//!   rebuild     recount the topic into a new generation and cut over
+//!   verify      recount in memory and compare
+//!   gc          remove old generations after a grace period
+//!   promote     routing changes by hand
+//! read        the read path: the cached, coalescing Reader
+//! generate    synthetic like traffic, for tests, benchmarks and the demo
+//! ```
 //!
-//! * [`consume`]: the Kafka group consumer; every assignment starts at the
-//!   partition's fence in Redis.
-//! * [`decode`]: message bytes to a validated like, or a bad-message reason.
-//! * [`aggregate`]: per-partition batches of net deltas per (post, bucket).
-//! * [`apply`] (with `apply.lua`): runs a batch behind its fence; states the
-//!   exactly-once argument.
-//! * [`commit`]: Kafka offset commits, only after the script succeeded.
-//!
-//! Around it:
-//!
-//! * [`fence`]: the pure apply / duplicate / straddle / gap decision.
-//! * [`routing`]: the stable hash, buckets and the Redis key layout.
-//! * [`versions`]: per-post routing versions (promotion, demotion) and the
-//!   order of operations that keeps writers and readers consistent.
-//! * [`hot`]: hot-post detection (a heavy-hitters sketch, shared per second).
-//! * [`generation`]: which key prefix is live (the pointer, the freeze flag,
-//!   the rebuild record); [`rebuild`]: recounting the topic into a new
-//!   generation and the cut-over to it; [`verify`]: recounting in memory and
-//!   comparing; [`gc`]: removing old generations after a grace period.
-//! * [`read`] and [`serve`]: the read path (a cached, coalescing `Reader`)
-//!   and its HTTP front; [`promote`]: routing changes by hand.
-//! * [`slots`]: Redis Cluster hash slots and the slot groups scripts are split by.
-//! * [`placement`]: who owns each slot, and Binomial(N, 1/M) buckets per primary.
-//! * [`store`]: connections to one Redis server or a cluster.
-//! * [`dead_letter`]: copies of bad messages, confirmed before their batch applies.
-//! * [`run`]: the pipeline loop wiring the stages, with shutdown and backpressure.
-//! * [`config`], [`metrics`], [`retry`]: settings (flags, variables and a
-//!   file), metric names, backoff and error classification.
-//! * [`security`]: TLS and SASL for Kafka, AUTH and TLS for Redis; secrets redacted.
-//! * [`health`], [`http`]: readiness state and its checks; the listener
-//!   serving `/metrics`, `/healthz` and `/readyz`.
-//! * [`proto`]: the generated `LikeEvent` type.
-//! * [`generate`], [`demo`]: synthetic traffic and the one-command local demo.
-//! * [`inspect`]: where a post's bucket keys live, per slot and primary.
-//! * [`plan`]: `tally plan`, buckets, primaries, partitions and consumers for a peak.
-//! * [`local`]: private redis-server and Tansu processes for the demo and the benchmark.
-//! * [`produce`]: `tally produce`, generated traffic into a topic, with its exact truth.
-//! * [`bench`]: `tally bench`, tally against a raw consumer and a naive one, same events.
+//! Layers only import downwards: `infra` imports nothing above it, `domain`
+//! builds on `infra`, the `pipeline` on both, and `ops` and `read` on all
+//! three.
 
-pub mod aggregate;
-pub mod apply;
-pub mod bench;
-pub mod commit;
-pub mod config;
-pub mod consume;
-pub mod dead_letter;
-pub mod decode;
-pub mod demo;
-pub mod fence;
-pub mod gc;
+pub mod domain;
 pub mod generate;
-pub mod generation;
-pub mod health;
-pub mod hot;
-pub mod http;
-pub mod inspect;
-pub mod local;
-pub mod metrics;
-pub mod placement;
-pub mod plan;
-pub mod produce;
-pub mod promote;
-pub mod proto;
+pub mod infra;
+pub mod ops;
+pub mod pipeline;
 pub mod read;
-pub mod rebuild;
-pub mod retry;
-pub mod routing;
-pub mod run;
-pub mod security;
-pub mod serve;
-pub mod slots;
-pub mod store;
-pub mod verify;
-pub mod versions;

@@ -1,7 +1,7 @@
 //! Read: a post's like count, summed over every key a writer may have used.
 //!
 //! Invariant: a read sums the base and every version listed in the post's
-//! route hash, read *before* its counters, so by [`crate::versions`] it never
+//! route hash, read *before* its counters, so by [`crate::domain::versions`] it never
 //! sums fewer keys than any writer uses; a read whose two steps take longer
 //! than [`READ_DEADLINE`] is started again.
 //!
@@ -21,7 +21,7 @@
 //! misses of the same post wait for one fetch instead of each sending their own.
 //!
 //! Generations: a read sums the generation the pointer names (see
-//! [`crate::generation`]), read at most [`POINTER_TTL`] (or `ttl`, if
+//! [`crate::domain::generation`]), read at most [`POINTER_TTL`] (or `ttl`, if
 //! shorter) before; a reader never goes back to an older generation than one
 //! it has read. A rebuild moves the pointer only to a generation at or past
 //! every fence of the old one while the old one is frozen, so a post that only
@@ -32,74 +32,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clap::Args;
 use redis::{RedisError, Value};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::apply::{ConnectError, redact_url};
-use crate::generation;
-use crate::routing::{CounterId, KeyLayout};
-use crate::slots::{SlotGroups, key_slot};
-use crate::store::{Shared, Target};
-use crate::versions::{PostMeta, READ_DEADLINE, Routes, wall_ms};
+use crate::domain::generation;
+use crate::domain::routing::{CounterId, KeyLayout};
+use crate::domain::slots::key_slot;
+use crate::domain::versions::{PostMeta, READ_DEADLINE, wall_ms};
+use crate::infra::store::Shared;
 
 /// How long a reader trusts the generation pointer it read.
 pub const POINTER_TTL: Duration = Duration::from_secs(1);
-
-/// Where counts live: the settings every command touching Redis shares with `tally run`.
-#[derive(Debug, Clone, Args)]
-pub struct StoreArgs {
-    /// Redis URL (as `tally run --redis`).
-    #[arg(long, env = "TALLY_REDIS", default_value = "redis://127.0.0.1:6379/")]
-    pub redis: String,
-    /// Key prefix (as `tally run --prefix`).
-    #[arg(long, env = "TALLY_PREFIX", default_value = crate::config::DEFAULT_PREFIX)]
-    pub prefix: String,
-    /// Slot groups on a cluster (as `tally run --slot-groups`).
-    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = 128)]
-    pub slot_groups: u32,
-}
-
-impl StoreArgs {
-    /// Connects, and returns the store, the key layout and the routes
-    /// (`default_buckets`: buckets of a post without routing metadata).
-    pub async fn connect(
-        &self,
-        default_buckets: u32,
-    ) -> Result<(Shared, KeyLayout, Routes), ConnectError> {
-        let shown = redact_url(&self.redis);
-        let target = Target::parse(&self.redis).map_err(|problem| ConnectError::BadUrl {
-            url: shown.clone(),
-            problem,
-        })?;
-        if default_buckets == 0 || !self.slot_groups.is_power_of_two() || self.slot_groups > 16_384
-        {
-            return Err(ConnectError::BadUrl {
-                url: shown,
-                problem:
-                    "--buckets must be at least 1 and --slot-groups a power of two up to 16384"
-                        .into(),
-            });
-        }
-        let groups = if target.is_cluster() {
-            SlotGroups::cluster(self.slot_groups)
-        } else {
-            SlotGroups::single()
-        };
-        let keys = KeyLayout::with_groups(&self.prefix, groups);
-        let unreachable = |source| ConnectError::Unreachable {
-            url: shown.clone(),
-            source,
-        };
-        let store = Shared::connect_checked(&target)
-            .await
-            .map_err(unreachable)?;
-        let routes = Routes::new(store.clone(), keys.clone(), default_buckets);
-        Ok((store, keys, routes))
-    }
-}
 
 /// A post's count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -113,17 +58,20 @@ pub struct Count {
     pub as_of_ms: i64,
 }
 
-/// Why a read failed.
+/// Why a read failed. Cloned to every reader waiting on the same fetch.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ReadError {
-    /// Redis failed or kept answering too slowly.
+    /// Redis failed.
     #[error("reading counts from Redis failed: {0}")]
-    Redis(String),
+    Redis(#[source] Arc<RedisError>),
+    /// Redis kept answering too slowly.
+    #[error("reading counts from Redis failed: no answer within {0:?}")]
+    Deadline(Duration),
 }
 
 impl From<RedisError> for ReadError {
     fn from(error: RedisError) -> Self {
-        ReadError::Redis(error.to_string())
+        ReadError::Redis(Arc::new(error))
     }
 }
 
@@ -272,7 +220,7 @@ impl Reader {
                     }
                 }
             }
-            crate::metrics::read_cache(hits, misses);
+            crate::infra::metrics::read_cache(hits, misses);
             if !lead.is_empty() {
                 let _leading = Leading {
                     pending: &inner.pending,
@@ -323,7 +271,7 @@ impl Reader {
             match tokio::time::timeout(READ_DEADLINE, self.fetch_once(posts)).await {
                 Ok(Ok(counts)) => return Ok(counts),
                 Ok(Err(error)) => last_error = Some(ReadError::from(error)),
-                Err(_) => last_error = Some(ReadError::Redis("read deadline passed".into())),
+                Err(_) => last_error = Some(ReadError::Deadline(READ_DEADLINE)),
             }
         }
         Err(last_error.expect("at least one attempt"))
@@ -423,53 +371,4 @@ impl Reader {
         }
         Ok(ordered)
     }
-}
-
-/// Settings of `tally count`.
-#[derive(Debug, Clone, Args)]
-pub struct CountArgs {
-    /// Posts to count.
-    #[arg(required = true)]
-    pub post_ids: Vec<u64>,
-    /// Print JSON (one object per post, in a list) instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Also print the current generation's key prefix and every key summed.
-    #[arg(long)]
-    pub show_keys: bool,
-    /// Buckets of a post without routing metadata (as `tally run --buckets`).
-    #[arg(long, env = "TALLY_BUCKETS", default_value_t = crate::config::DEFAULT_BUCKETS)]
-    pub buckets: u32,
-    /// Where the counts are.
-    #[command(flatten)]
-    pub store: StoreArgs,
-}
-
-/// Runs `tally count`: the counts as a table or as JSON.
-pub async fn count_command(args: &CountArgs) -> anyhow::Result<String> {
-    let (store, keys, _) = args.store.connect(args.buckets).await?;
-    let reader = Reader::new(store, keys, args.buckets, Duration::ZERO);
-    let counts = reader.counts(&args.post_ids).await?;
-    if args.json {
-        return Ok(serde_json::to_string_pretty(&counts)? + "\n");
-    }
-    let mut out = format!("{:>20}  {:>14}\n", "post", "likes");
-    for count in &counts {
-        out.push_str(&format!("{:>20}  {:>14}\n", count.post_id, count.likes));
-    }
-    if args.show_keys {
-        let (generation, _) = reader.layout().await?;
-        for count in &counts {
-            let (prefix, keys) = reader.summed_keys(count.post_id).await?;
-            out.push_str(&format!(
-                "\npost {}: generation {generation}, prefix {prefix}, {} keys summed (plus the route hash's base):\n",
-                count.post_id,
-                keys.len()
-            ));
-            for key in keys {
-                out.push_str(&format!("  {key}\n"));
-            }
-        }
-    }
-    Ok(out)
 }

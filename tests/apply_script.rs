@@ -6,10 +6,10 @@ mod common;
 use common::RedisServer;
 use proptest::prelude::*;
 use redis::Commands;
-use tally::aggregate::CounterId;
-use tally::apply::{Applier, Prepared};
-use tally::fence::{Decision, Reply, decide};
-use tally::routing::KeyLayout;
+use tally::domain::fence::{Decision, Reply, decide};
+use tally::domain::routing::KeyLayout;
+use tally::pipeline::aggregate::CounterId;
+use tally::pipeline::apply::{Applier, Prepared};
 
 fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64)]) -> Prepared {
     Prepared {
@@ -32,6 +32,21 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// An applier of group "g"'s fences of topic "likes" under `prefix`.
+fn applier(rt: &tokio::runtime::Runtime, url: &str, prefix: &str) -> Applier {
+    let url = tally::infra::store::RedisUrl::parse(url).unwrap();
+    let store = rt
+        .block_on(tally::infra::store::Shared::open(&url))
+        .unwrap();
+    Applier::new(
+        store,
+        url.target().clone(),
+        KeyLayout::new(prefix),
+        "g",
+        "likes",
+    )
+}
+
 fn reply(decision: Decision, fence: i64) -> Reply {
     Reply { decision, fence }
 }
@@ -40,14 +55,7 @@ fn reply(decision: Decision, fence: i64) -> Reply {
 fn apply_duplicate_straddle_and_gap() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = rt
-        .block_on(Applier::connect(
-            &redis.url(),
-            KeyLayout::new("t"),
-            "g",
-            "likes",
-        ))
-        .unwrap();
+    let applier = applier(&rt, &redis.url(), "t");
     let mut conn = redis.conn();
     let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap();
     let count = |conn: &mut redis::Connection, post: u64, bucket: u32| -> i64 {
@@ -123,14 +131,7 @@ fn apply_duplicate_straddle_and_gap() {
 fn script_is_reloaded_after_script_flush() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = rt
-        .block_on(Applier::connect(
-            &redis.url(),
-            KeyLayout::new("f"),
-            "g",
-            "likes",
-        ))
-        .unwrap();
+    let applier = applier(&rt, &redis.url(), "f");
     let mut conn = redis.conn();
     let first = script(0, 0, -1, &[(7, 0, 1)]);
     assert_eq!(
@@ -151,14 +152,7 @@ fn script_is_reloaded_after_script_flush() {
 fn origin_is_set_once() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = rt
-        .block_on(Applier::connect(
-            &redis.url(),
-            KeyLayout::new("o"),
-            "g",
-            "likes",
-        ))
-        .unwrap();
+    let applier = applier(&rt, &redis.url(), "o");
     assert_eq!(rt.block_on(applier.ensure_origin(2, 40)).unwrap(), 40);
     assert_eq!(rt.block_on(applier.ensure_origin(2, 7)).unwrap(), 40);
     let fences = rt.block_on(applier.read_fences(2)).unwrap();
@@ -170,14 +164,7 @@ fn origin_is_set_once() {
 fn lua_agrees_with_the_decision_table() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = rt
-        .block_on(Applier::connect(
-            &redis.url(),
-            KeyLayout::new("m"),
-            "g",
-            "likes",
-        ))
-        .unwrap();
+    let applier = applier(&rt, &redis.url(), "m");
     let conn = std::cell::RefCell::new(redis.conn());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
     let cases = (proptest::option::of(0i64..40), 0i64..40, 0i64..20, -1i64..5);

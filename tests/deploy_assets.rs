@@ -1,6 +1,6 @@
 //! Deploy assets stay true to the binary: every file under `deploy/` parses,
 //! the Grafana dashboard and the alert rules name only metrics tally exports
-//! (`tally::metrics::ALL`), the Prometheus rule file and the PrometheusRule
+//! (`tally::infra::metrics::ALL`), the Prometheus rule file and the PrometheusRule
 //! carry the same alerts, the shipped settings file is valid, KEDA never scales
 //! past the partition count, and `docker compose config` accepts
 //! `docker-compose.yml` (with and without the cluster profile).
@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tally::metrics::{ALL, Kind};
+use tally::infra::metrics::{ALL, Kind};
 use yaml_rust2::{Yaml, YamlLoader};
 
 const COMPOSE_INSTALL: &str = "apt-get update && apt-get install -y docker-compose";
@@ -166,7 +166,7 @@ fn dashboards_and_alerts_name_only_exported_metrics() {
         for name in metric_names(expr) {
             assert!(
                 exported(&name),
-                "{expr:?} names {name}, which tally does not export (see tally::metrics::ALL)"
+                "{expr:?} names {name}, which tally does not export (see tally::infra::metrics::ALL)"
             );
         }
     }
@@ -209,9 +209,23 @@ fn the_shipped_settings_are_valid() {
     let text = map["data"]["tally.toml"]
         .as_str()
         .expect("the ConfigMap holds tally.toml");
-    let config = tally::config::parse_file(Path::new("configmap tally.toml"), text)
-        .unwrap_or_else(|e| panic!("{e:?}"));
-    assert!(config.problems().is_empty(), "{:?}", config.problems());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tally.toml");
+    std::fs::write(&file, text).unwrap();
+    let mut print = Command::new(env!("CARGO_BIN_EXE_tally"));
+    for (name, _) in std::env::vars().filter(|(k, _)| k.starts_with("TALLY_")) {
+        print.env_remove(name);
+    }
+    let out = print
+        .args(["config", "print", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.is_empty(),
+        "the ConfigMap's tally.toml: {stderr}"
+    );
 }
 
 #[test]

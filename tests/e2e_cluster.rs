@@ -68,13 +68,16 @@ fn finish(run: &Scenario, cluster: &RedisCluster, workload: &Workload, tallies: 
 /// and nodes without a CROSSSLOT, and hot posts' versions are summed.
 fn assert_reader_exact(run: &Scenario, cluster: &RedisCluster, workload: &Workload) {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let target = tally::store::Target::parse(&cluster.url()).unwrap();
+    let target = tally::infra::store::RedisUrl::parse(&cluster.url())
+        .unwrap()
+        .target()
+        .clone();
     let store = rt
-        .block_on(tally::store::Shared::connect(&target))
+        .block_on(tally::infra::store::Shared::connect(&target))
         .expect("connect the reader");
-    let keys = tally::routing::KeyLayout::with_groups(
+    let keys = tally::domain::routing::KeyLayout::with_groups(
         run.prefix.clone(),
-        tally::slots::SlotGroups::cluster(GROUPS as u32),
+        tally::domain::slots::SlotGroups::cluster(GROUPS as u32),
     );
     let reader = tally::read::Reader::new(store, keys, 16, Duration::ZERO);
     let posts: Vec<u64> = workload.truth.keys().copied().collect();

@@ -81,9 +81,14 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
         let mut conn = redis.conn();
         thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
-            let target = tally::store::Target::parse(&url).unwrap();
-            let store = rt.block_on(tally::store::Shared::connect(&target)).unwrap();
-            let keys = tally::routing::KeyLayout::new(prefix.clone());
+            let target = tally::infra::store::RedisUrl::parse(&url)
+                .unwrap()
+                .target()
+                .clone();
+            let store = rt
+                .block_on(tally::infra::store::Shared::connect(&target))
+                .unwrap();
+            let keys = tally::domain::routing::KeyLayout::new(prefix.clone());
             let reader = tally::read::Reader::new(store, keys, 4, Duration::ZERO);
             while !stop.load(Ordering::SeqCst) {
                 let (scanned, _) = scanned_sum(&mut conn, &prefix, HOT);
@@ -237,13 +242,16 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
     assert_eq!(json[0]["likes"].as_i64(), Some(truth[&HOT]), "{json}");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt
-        .block_on(tally::store::Shared::connect(
-            &tally::store::Target::parse(&url).unwrap(),
+        .block_on(tally::infra::store::Shared::connect(
+            &tally::infra::store::RedisUrl::parse(&url)
+                .unwrap()
+                .target()
+                .clone(),
         ))
         .unwrap();
     let reader = tally::read::Reader::new(
         store,
-        tally::routing::KeyLayout::new(run.prefix.clone()),
+        tally::domain::routing::KeyLayout::new(run.prefix.clone()),
         4,
         Duration::from_secs(1),
     );

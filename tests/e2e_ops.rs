@@ -71,8 +71,11 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
     // Every metric tally exports is there, except the per-partition gauges,
     // which appear once a partition reports them.
     let text = scrape_metrics(&http);
-    let per_partition = [tally::metrics::CONSUMER_LAG, tally::metrics::APPLIED_OFFSET];
-    for &(name, _, _) in tally::metrics::ALL {
+    let per_partition = [
+        tally::infra::metrics::CONSUMER_LAG,
+        tally::infra::metrics::APPLIED_OFFSET,
+    ];
+    for &(name, _, _) in tally::infra::metrics::ALL {
         if per_partition.contains(&name) {
             continue;
         }
@@ -83,7 +86,7 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
         assert!(shown, "/metrics lacks {name}:\n{text}");
     }
     assert_eq!(
-        metric_value(&text, tally::metrics::EVENTS),
+        metric_value(&text, tally::infra::metrics::EVENTS),
         Some(EVENTS as f64)
     );
     assert!(text.contains("# HELP tally_events_total"), "{text}");

@@ -107,9 +107,14 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         let mut conn = redis.conn();
         thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
-            let target = tally::store::Target::parse(&url).unwrap();
-            let store = rt.block_on(tally::store::Shared::connect(&target)).unwrap();
-            let keys = tally::routing::KeyLayout::new(prefix.clone());
+            let target = tally::infra::store::RedisUrl::parse(&url)
+                .unwrap()
+                .target()
+                .clone();
+            let store = rt
+                .block_on(tally::infra::store::Shared::connect(&target))
+                .unwrap();
+            let keys = tally::domain::routing::KeyLayout::new(prefix.clone());
             let reader = tally::read::Reader::new(store, keys, 4, Duration::ZERO);
             let mut last = i64::MIN;
             while !stop.load(Ordering::SeqCst) {
@@ -345,13 +350,16 @@ fn flushall_then_rebuild_restores_every_count() {
     // The library's reader follows the pointer.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt
-        .block_on(tally::store::Shared::connect(
-            &tally::store::Target::parse(&url).unwrap(),
+        .block_on(tally::infra::store::Shared::connect(
+            &tally::infra::store::RedisUrl::parse(&url)
+                .unwrap()
+                .target()
+                .clone(),
         ))
         .unwrap();
     let reader = tally::read::Reader::new(
         store,
-        tally::routing::KeyLayout::new(run.prefix.clone()),
+        tally::domain::routing::KeyLayout::new(run.prefix.clone()),
         16,
         Duration::from_secs(1),
     );

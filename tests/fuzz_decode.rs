@@ -14,7 +14,7 @@
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use tally::decode::{BadReason, Like, decode};
+use tally::pipeline::decode::{BadReason, Like, decode};
 
 /// How much the peak RSS may grow over the whole run.
 const PEAK_GROWTH_KIB: u64 = 32 * 1024;

@@ -10,9 +10,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
+use tally::domain::routing::{CounterId, KeyLayout};
+use tally::infra::store::Shared;
 use tally::read::Reader;
-use tally::routing::{CounterId, KeyLayout};
-use tally::store::{Shared, Target};
 
 const DEFAULT_BUCKETS: u32 = 4;
 
@@ -59,7 +59,12 @@ fn seed_counts(conn: &mut redis::Connection, prefix: &str) -> Vec<(u64, i64)> {
 fn reader(url: &str, prefix: &str, ttl: Duration) -> (tokio::runtime::Runtime, Reader) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt
-        .block_on(Shared::connect(&Target::parse(url).unwrap()))
+        .block_on(Shared::connect(
+            &tally::infra::store::RedisUrl::parse(url)
+                .unwrap()
+                .target()
+                .clone(),
+        ))
         .unwrap();
     let reader = Reader::new(store, KeyLayout::new(prefix), DEFAULT_BUCKETS, ttl);
     (rt, reader)

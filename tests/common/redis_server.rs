@@ -187,7 +187,7 @@ impl RedisServer {
 
     /// Cuts up to `bytes` off the end of the newest incremental AOF file, as if the machine had
     /// gone down before its last writes reached the disk, then repairs the torn tail with
-    /// `redis-check-aof --fix` as the operator of a crashed server does (see the README).
+    /// `redis-check-aof --fix` as the operator of a crashed server does (see docs/operations.md).
     /// Call between `kill` and `restart`. Returns the number of bytes cut.
     pub fn truncate_aof_tail(&self, bytes: u64) -> u64 {
         assert!(

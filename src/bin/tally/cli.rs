@@ -1,0 +1,65 @@
+//! The command line: every command, its one-line help, and its log filter.
+
+use clap::{Parser, Subcommand};
+
+use crate::{inspect, ops, reads, run, serve, settings, tools};
+
+/// Exactly-once like counting from Kafka into Redis.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Consume like events and apply them to Redis, exactly once.
+    Run(Box<settings::RunArgs>),
+    /// Show the settings `tally run` would use.
+    #[command(subcommand)]
+    Config(run::ConfigCommand),
+    /// Start a private broker, redis-server and traffic generator, and count live.
+    Demo(tools::demo::DemoConfig),
+    /// Produce synthetic like traffic into a topic, and the exact count every post should reach.
+    Produce(Box<tools::produce::ProduceConfig>),
+    /// Measure tally against a raw and a naive consumer on the same events, on private services.
+    Bench(Box<tools::bench::BenchConfig>),
+    /// One baseline consumer of `tally bench`, run as its child process.
+    #[command(hide = true)]
+    BenchBaseline(Box<tools::bench::BaselineArgs>),
+    /// Print tables the documentation publishes.
+    #[command(subcommand)]
+    Docs(run::Docs),
+    /// Show where stored state lives.
+    #[command(subcommand)]
+    Inspect(inspect::Inspect),
+    /// Print posts' like counts, summed over every bucket and version.
+    Count(reads::CountArgs),
+    /// Serve counts over HTTP: GET /v1/posts/{id}/likes and /v1/likes?post_id=..
+    Serve(serve::ServeArgs),
+    /// Give a post more buckets now (a new routing version; safe while tally runs).
+    Promote(ops::RouteArgs),
+    /// Give a post fewer buckets (a new routing version; old keys stay summed).
+    Demote(ops::RouteArgs),
+    /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
+    Plan(Box<tools::plan::PlanArgs>),
+    /// Recount the topic into a new key generation and switch to it when caught up.
+    Rebuild(Box<ops::RebuildCommand>),
+    /// Recount the topic in memory and compare with the stored counts; exits 1 on drift.
+    Verify(Box<ops::VerifyCommand>),
+    /// Remove key generations older than the current one, after a grace period.
+    Gc(ops::GcArgs),
+}
+
+impl Command {
+    /// The log filter unless TALLY_LOG says otherwise: services log what
+    /// they do, one-shot commands only what needs attention (the demo draws
+    /// a table on stdout).
+    pub fn log_filter(&self) -> &'static str {
+        match self {
+            Command::Run(_) | Command::Serve(_) | Command::Rebuild(_) => "info,rdkafka=warn",
+            _ => "warn",
+        }
+    }
+}

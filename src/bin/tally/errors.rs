@@ -1,0 +1,155 @@
+//! Errors: the one line (or one line per problem) `tally` prints for the
+//! error that stopped a command, with what to fix.
+//!
+//! The library's errors say what went wrong; the hints that name flags and
+//! variables to check are added here, where the flags are.
+
+use std::fmt;
+
+use tally::infra::config::ConfigError;
+use tally::infra::store::ConnectError;
+use tally::ops::OpError;
+use tally::pipeline::run::RunError;
+
+/// Settings problems, printed one per line.
+#[derive(Debug)]
+pub struct Problems(pub Vec<ConfigError>);
+
+impl fmt::Display for Problems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, problem) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\nerror: ")?;
+            }
+            write!(f, "{problem}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Problems {}
+
+impl From<Vec<ConfigError>> for Problems {
+    fn from(problems: Vec<ConfigError>) -> Self {
+        Problems(problems)
+    }
+}
+
+/// The text after `error: ` for `error`: its message, each cause the
+/// message does not already include, and a hint where one helps.
+pub fn line(error: &anyhow::Error) -> String {
+    if let Some(refused) = error.chain().find_map(connect_error) {
+        return redis_line(refused);
+    }
+    let mut line = error.to_string();
+    for cause in error.chain().skip(1) {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
+    }
+    line
+}
+
+/// The start-up connection error inside `error`, wherever the library's
+/// error types carry one (their messages are transparent, so the chain of
+/// sources skips it).
+fn connect_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConnectError> {
+    let from_run = |run: &'a RunError| match run {
+        RunError::Redis(connect) => Some(connect),
+        _ => None,
+    };
+    if let Some(connect) = error.downcast_ref::<ConnectError>() {
+        return Some(connect);
+    }
+    if let Some(run) = error.downcast_ref::<RunError>() {
+        return from_run(run);
+    }
+    match error.downcast_ref::<OpError>()? {
+        OpError::Connect(connect) => Some(connect),
+        OpError::Run(run) => from_run(run),
+        _ => None,
+    }
+}
+
+/// A Redis that refuses the credentials says so, rather than suggesting it is down.
+fn redis_line(error: &ConnectError) -> String {
+    if error.refused_credentials() {
+        format!(
+            "Redis at {} refused the credentials: {} (check the user and password in --redis, TALLY_REDIS_PASSWORD or --redis-password-file)",
+            error.url, error.source
+        )
+    } else {
+        format!("{error} (is redis-server running? check --redis / TALLY_REDIS)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_take_a_line_each() {
+        let problems = Problems(vec![
+            tally::infra::config::bad("buckets", "must be between 1 and 1048576"),
+            tally::infra::config::bad("topic", "is empty"),
+        ]);
+        let shown = line(&anyhow::Error::new(problems));
+        assert_eq!(
+            shown,
+            "--buckets: must be between 1 and 1048576\nerror: --topic: is empty"
+        );
+    }
+
+    #[test]
+    fn causes_are_not_repeated() {
+        let io = std::io::Error::other("disk on fire");
+        let error = anyhow::Error::new(io).context("reading the file");
+        assert_eq!(line(&error), "reading the file: disk on fire");
+        let error = anyhow::anyhow!("reading: disk on fire").context("step");
+        assert_eq!(line(&error), "step: reading: disk on fire");
+    }
+
+    #[test]
+    fn an_unreachable_redis_names_the_flag() {
+        let error = ConnectError {
+            url: "redis://127.0.0.1:1/".into(),
+            source: redis::RedisError::from(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            )),
+        };
+        let shown = line(&anyhow::Error::new(error));
+        assert!(
+            shown.starts_with("cannot reach Redis at redis://127.0.0.1:1/: "),
+            "{shown}"
+        );
+        assert!(
+            shown.ends_with("(is redis-server running? check --redis / TALLY_REDIS)"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn refused_credentials_are_named_inside_every_error_that_carries_them() {
+        let refused = || ConnectError {
+            url: "redis://alice:***@h:1/".into(),
+            source: redis::RedisError::from((
+                redis::ErrorKind::AuthenticationFailed,
+                "Password authentication failed",
+            )),
+        };
+        for error in [
+            anyhow::Error::new(refused()),
+            anyhow::Error::new(RunError::Redis(refused())),
+            anyhow::Error::new(OpError::Connect(refused())),
+            anyhow::Error::new(OpError::Run(RunError::Redis(refused()))),
+        ] {
+            let shown = line(&error);
+            assert!(
+                shown.starts_with("Redis at redis://alice:***@h:1/ refused the credentials"),
+                "{shown}"
+            );
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! The `tally` command: parses flags, picks a log filter, hands the command
+//! to the module of its group, and prints the error that stopped it.
+
+use std::io::IsTerminal as _;
+use std::process::ExitCode;
+
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
+
+use cli::{Cli, Command};
+
+mod cli;
+mod errors;
+mod inspect;
+mod ops;
+mod progress;
+mod reads;
+mod run;
+mod serve;
+mod settings;
+mod tools;
+
+fn main() -> ExitCode {
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG")
+                .unwrap_or_else(|_| cli.command.log_filter().into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    // Redis TLS (rediss://) uses rustls with the ring provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let result = tokio::runtime::Runtime::new()
+        .map_err(|e| anyhow::anyhow!("cannot start the async runtime: {e}"))
+        .and_then(|runtime| runtime.block_on(dispatch(cli.command, &matches)));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", errors::line(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one command. `matches` are the parsed flags, which the commands of
+/// `tally run`'s settings layer with variables and a file.
+async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> {
+    let (_, sub) = matches.subcommand().expect("clap requires a subcommand");
+    match command {
+        Command::Run(_) => run::run(sub).await,
+        Command::Config(run::ConfigCommand::Print(_)) => {
+            run::print_config(sub.subcommand_matches("print").expect("print has settings"))
+        }
+        Command::Docs(docs) => {
+            run::docs(docs);
+            Ok(())
+        }
+        Command::Demo(config) => tools::demo::demo(config).await,
+        Command::Produce(config) => tools::produce::produce(*config).await,
+        Command::Bench(config) => tools::bench::bench(*config).await,
+        Command::BenchBaseline(args) => tools::bench::baseline(*args).await,
+        Command::Inspect(inspect) => inspect::inspect(inspect),
+        Command::Count(args) => reads::count(&args).await,
+        Command::Serve(args) => serve::serve(args).await,
+        Command::Promote(args) => ops::route(&args, tally::ops::promote::Direction::Promote).await,
+        Command::Demote(args) => ops::route(&args, tally::ops::promote::Direction::Demote).await,
+        Command::Plan(args) => {
+            print!("{}", tools::plan::report(&args)?);
+            Ok(())
+        }
+        Command::Rebuild(command) => ops::rebuild(sub, &command).await,
+        Command::Verify(command) => ops::verify(sub, &command).await,
+        Command::Gc(args) => ops::gc(&args).await,
+    }
+}

@@ -1,0 +1,218 @@
+//! The operations on stored counts: `tally rebuild`, `verify`, `gc`,
+//! `promote` and `demote`. Each runs the library's operation and prints
+//! what it returned.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::{ArgMatches, Args};
+use tally::ops::gc::Collected;
+use tally::ops::promote::{Change, Direction};
+use tally::ops::rebuild::{Aborted, RebuildOptions};
+use tally::ops::verify::{Report, VerifyOptions};
+
+use crate::errors::Problems;
+use crate::progress::Progress;
+use crate::run::{run_settings, shutdown_on_signal};
+use crate::settings::{RunArgs, StoreArgs};
+
+/// Settings of `tally promote` and `tally demote`.
+#[derive(Clone, Args)]
+pub struct RouteArgs {
+    /// The post.
+    pub post_id: u64,
+    /// Buckets of the new version (promote: default 64; demote: default --default-buckets).
+    #[arg(long = "buckets", value_name = "N")]
+    pub to_buckets: Option<u32>,
+    /// Buckets of a post without routing metadata (what `tally run --buckets` says).
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = tally::infra::config::DEFAULT_BUCKETS)]
+    pub default_buckets: u32,
+    /// Where the counts are.
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// Settings of `tally gc`.
+#[derive(Clone, Args)]
+pub struct GcArgs {
+    /// Remove older generations only once the current one has been current
+    /// this long (seconds).
+    #[arg(long, default_value_t = 3_600)]
+    pub grace_secs: u64,
+    /// Where the counts are.
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// Settings of `tally rebuild`: its own, and those it shares with `tally run`.
+#[derive(Args)]
+pub struct RebuildCommand {
+    /// Start every partition at its first event stamped at or after this time
+    /// (milliseconds since the epoch) instead of the earliest retained offset.
+    #[arg(long, value_name = "MS")]
+    pub from_timestamp: Option<i64>,
+    /// Drop the unfinished generation (its keys and the rebuild record) and exit.
+    /// Stop the rebuild first.
+    #[arg(long)]
+    pub abort: bool,
+    /// Freeze the live pipelines once every partition is within this many
+    /// offsets of the live fences.
+    #[arg(long, default_value_t = 2_000, value_name = "OFFSETS")]
+    pub cutover_margin: i64,
+    /// Seconds between progress lines when stderr is not a terminal.
+    #[arg(long, default_value_t = 5, value_name = "SECS")]
+    pub progress_every_secs: u64,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// Settings of `tally verify`: its own, and those it shares with `tally run`.
+#[derive(Args)]
+pub struct VerifyCommand {
+    /// Check only these posts (comma separated); by default every post with
+    /// an event or a counter.
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    pub posts: Vec<u64>,
+    /// Recount only these partitions (comma separated); see docs/rebuild.md.
+    #[arg(long, value_delimiter = ',', value_name = "PARTITIONS")]
+    pub partitions: Vec<i32>,
+    /// How many times to re-read while the fences keep moving.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// `tally rebuild` (or `--abort`).
+pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<()> {
+    let settings = run_settings(matches)?;
+    if command.abort {
+        match tally::ops::rebuild::abort(&settings).await? {
+            Aborted::NothingToAbort => println!("no unfinished rebuild"),
+            Aborted::Dropped {
+                generation,
+                keys,
+                kafka_group,
+            } => println!(
+                "dropped generation {generation} ({keys} keys); consumer group {kafka_group} keeps its offsets, which nothing reads"
+            ),
+        }
+        return Ok(());
+    }
+    let options = RebuildOptions {
+        from_timestamp: command.from_timestamp,
+        cutover_margin: command.cutover_margin,
+    };
+    let every = Duration::from_secs(command.progress_every_secs.max(1));
+    let mut progress: Option<Progress> = None;
+    let outcome =
+        tally::ops::rebuild::rebuild(settings, options, shutdown_on_signal(), &mut |at| {
+            progress
+                .get_or_insert_with(|| Progress::new(at.origins.to_vec(), every))
+                .update(at.rebuilt, at.marks)
+        })
+        .await;
+    if let Some(progress) = &progress {
+        progress.finish();
+    }
+    let rebuilt = outcome?;
+    println!(
+        "generation {} ({}) is current; generation {} stays until `tally gc`",
+        rebuilt.generation, rebuilt.prefix, rebuilt.previous
+    );
+    Ok(())
+}
+
+/// `tally verify`: the drift table and a summary; fails when any post drifted.
+pub async fn verify(matches: &ArgMatches, command: &VerifyCommand) -> Result<()> {
+    let settings = run_settings(matches)?;
+    let options = VerifyOptions {
+        posts: command.posts.clone(),
+        partitions: command.partitions.clone(),
+        rounds: command.rounds,
+    };
+    let report = tally::ops::verify::verify(settings, options).await?;
+    print!("{}", verify_text(&report));
+    match report.drift.len() {
+        0 => Ok(()),
+        n => bail!("{n} posts differ from the topic"),
+    }
+}
+
+/// The drift table (when there is drift) and a summary line.
+fn verify_text(report: &Report) -> String {
+    let mut text = String::new();
+    if !report.drift.is_empty() {
+        let _ = writeln!(
+            text,
+            "{:>20}  {:>14}  {:>14}  {:>12}",
+            "post", "expected", "stored", "difference"
+        );
+        for d in &report.drift {
+            let _ = writeln!(
+                text,
+                "{:>20}  {:>14}  {:>14}  {:>+12}",
+                d.post_id,
+                d.expected,
+                d.stored,
+                d.stored - d.expected
+            );
+        }
+    }
+    let _ = writeln!(
+        text,
+        "generation {} ({}): {} posts checked against {} events of {} partitions; {} drift",
+        report.generation,
+        report.prefix,
+        report.posts,
+        report.events,
+        report.partitions,
+        report.drift.len()
+    );
+    text
+}
+
+/// `tally gc`.
+pub async fn gc(args: &GcArgs) -> Result<()> {
+    let store = args.store.settings().map_err(Problems)?;
+    let grace = Duration::from_secs(args.grace_secs);
+    match tally::ops::gc::gc(&store, grace).await? {
+        Collected::NothingOlder => println!("generation 0 is current; nothing to remove"),
+        Collected::TooRecent { current, age } => println!(
+            "generation {current} became current {} s ago; older generations stay until the grace of {} s has passed",
+            age.as_secs(),
+            args.grace_secs
+        ),
+        Collected::Removed {
+            current,
+            age,
+            deleted,
+        } => println!(
+            "removed {deleted} keys of generations below {current} (current for {} s)",
+            age.as_secs()
+        ),
+    }
+    Ok(())
+}
+
+/// `tally promote` and `tally demote`.
+pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
+    let store = args.store.settings().map_err(Problems)?;
+    let change = Change {
+        post_id: args.post_id,
+        direction,
+        to_buckets: args.to_buckets,
+        default_buckets: args.default_buckets,
+    };
+    let routed = tally::ops::promote::change_route(&store, change).await?;
+    println!(
+        "post {}: version {} with {} buckets, for events stamped from {} ms (in {:.1} s)",
+        routed.post_id,
+        routed.version,
+        routed.buckets,
+        routed.effective_ms,
+        routed.effective_in_ms as f64 / 1000.0
+    );
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! `tally run`, `tally config print` and `tally docs`: the service itself,
+//! its settings, and the tables the documentation publishes.
+
+use std::fmt::Write as _;
+
+use clap::{ArgMatches, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::errors::Problems;
+use crate::settings::{self, RunArgs};
+
+/// `tally config ...`.
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Print the effective settings (flags > TALLY_* variables > --config file > defaults)
+    /// as a file --config accepts, secrets masked; problems go to stderr.
+    Print(Box<RunArgs>),
+}
+
+/// `tally docs ...`.
+#[derive(Subcommand)]
+pub enum Docs {
+    /// The stable hash's test vectors, as docs/design.md's markdown table.
+    HashVectors,
+    /// Every setting of `tally run`, as docs/settings.md's markdown table.
+    Config,
+}
+
+/// The settings `matches` name with their variables and file, checked,
+/// secrets read.
+pub fn run_settings(matches: &ArgMatches) -> anyhow::Result<tally::infra::config::RunSettings> {
+    let args = settings::load(matches).map_err(Problems)?;
+    Ok(args.settings().map_err(Problems)?)
+}
+
+/// A token cancelled on SIGINT or SIGTERM.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let shutdown = CancellationToken::new();
+    let cancel = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("Signal received; shutting down.");
+        cancel.cancel();
+    });
+    shutdown
+}
+
+/// `tally run`: serves the probes when asked, then counts until a signal.
+pub async fn run(matches: &ArgMatches) -> anyhow::Result<()> {
+    let settings = run_settings(matches)?;
+    let shutdown = shutdown_on_signal();
+    if let Some(addr) = settings.metrics_addr {
+        let metrics = tally::infra::metrics::install()?;
+        tally::infra::http::serve_probes(addr, metrics, shutdown.clone())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e} (fix --metrics-addr)"))?;
+        tally::infra::health::spawn_probes(
+            settings.store.url().target().clone(),
+            settings.kafka.client_config(),
+            settings.kafka.topic.clone(),
+            shutdown.clone(),
+        );
+    }
+    tally::pipeline::run::run(settings, shutdown).await?;
+    Ok(())
+}
+
+/// `tally config print`: the effective settings on stdout, problems after them.
+pub fn print_config(matches: &ArgMatches) -> anyhow::Result<()> {
+    let args = settings::load(matches).map_err(Problems)?;
+    print!("{}", settings::show::print(&args));
+    args.settings().map_err(Problems)?;
+    Ok(())
+}
+
+/// `tally docs ...`.
+pub fn docs(docs: Docs) {
+    match docs {
+        Docs::HashVectors => print!("{}", hash_vectors_table()),
+        Docs::Config => print!("{}", settings::show::settings_table()),
+    }
+}
+
+/// docs/design.md's table of stable-hash test vectors, printed by `tally docs hash-vectors`.
+fn hash_vectors_table() -> String {
+    let mut table =
+        String::from("| user_id | XXH64 | bucket, N=16 | bucket, N=1024 |\n|---:|---|---:|---:|\n");
+    for user in tally::domain::routing::PUBLISHED_USERS {
+        let _ = writeln!(
+            table,
+            "| {user} | `{:#018x}` | {} | {} |",
+            tally::domain::routing::stable_hash(user),
+            tally::domain::routing::bucket_of(user, 16),
+            tally::domain::routing::bucket_of(user, 1024)
+        );
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_design_document_publishes_the_generated_table() {
+        let design = include_str!("../../../docs/design.md");
+        assert!(
+            design.contains(&hash_vectors_table()),
+            "docs/design.md's hash table is stale; regenerate it with `tally docs hash-vectors`"
+        );
+    }
+}

@@ -1,0 +1,620 @@
+//! Settings: every flag of the commands that count or read, with its
+//! `TALLY_*` variable and its key in a `--config` file, and their conversion
+//! into the library's settings.
+//!
+//! Invariant: each flag is declared once. [`StoreArgs`] (where the counts
+//! are) is flattened by every command that touches Redis, [`BucketsArg`] by
+//! every command that needs version 0's bucket count, and [`RunArgs`] (all of
+//! `tally run`) embeds both; the layers (flag > variable > file > default,
+//! see [`layers`]) apply to `RunArgs` as a whole. Values are parsed once,
+//! into [`RunSettings`] or [`StoreSettings`], which report every problem at
+//! once, each naming its flag.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{Args, FromArgMatches};
+use serde::{Deserialize, Serialize};
+use tally::infra::config::{
+    self as lib, Batching, ConfigError, HotSettings, KafkaSecurity, KafkaSecurityInput,
+    KafkaSettings, Password, RunSettings, StoreSettings,
+};
+use tally::infra::security::{SaslMechanism, SecurityProtocol};
+
+pub mod layers;
+pub mod show;
+
+pub use layers::load;
+
+const KAFKA: &str = "Kafka";
+const REDIS: &str = "Redis";
+const BATCHING: &str = "Batching";
+const HOT: &str = "Hot posts";
+const SECURITY: &str = "Security";
+
+/// Where the counts are: the flags every command touching Redis shares.
+#[derive(Clone, Args, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", default)]
+#[command(next_help_heading = REDIS)]
+pub struct StoreArgs {
+    /// Redis URL: redis://[user:password@]host:port[/db] for one server, or
+    /// redis+cluster://[user:password@]host1:port1,host2:port2 for a cluster (rediss for TLS).
+    #[arg(long, env = "TALLY_REDIS", default_value = lib::DEFAULT_REDIS)]
+    pub redis: String,
+
+    /// Redis password, joined to the user named in --redis (prefer the variable or the file).
+    #[arg(long, env = "TALLY_REDIS_PASSWORD", hide_env_values = true)]
+    pub redis_password: Option<String>,
+
+    /// File holding the Redis password.
+    #[arg(long, env = "TALLY_REDIS_PASSWORD_FILE", value_name = "FILE")]
+    pub redis_password_file: Option<PathBuf>,
+
+    /// Prefix of every Redis key tally writes.
+    #[arg(long, env = "TALLY_PREFIX", default_value = lib::DEFAULT_PREFIX)]
+    pub prefix: String,
+
+    /// On a cluster, the number of slot groups counters are spread over (a power of two;
+    /// each batch sends at most one script per group). Fixed for the life of the data.
+    #[arg(long, env = "TALLY_SLOT_GROUPS", default_value_t = lib::DEFAULT_SLOT_GROUPS)]
+    pub slot_groups: u32,
+}
+
+impl Default for StoreArgs {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl std::fmt::Debug for StoreArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreArgs")
+            .field("redis", &tally::infra::security::redact_url(&self.redis))
+            .field(
+                "redis_password",
+                &self.redis_password.as_ref().map(|_| "***"),
+            )
+            .field("redis_password_file", &self.redis_password_file)
+            .field("prefix", &self.prefix)
+            .field("slot_groups", &self.slot_groups)
+            .finish()
+    }
+}
+
+impl StoreArgs {
+    /// The store settings these flags name, the password file read.
+    pub fn settings(&self) -> Result<StoreSettings, Vec<ConfigError>> {
+        let password = Password::from_sources(
+            self.redis_password.clone(),
+            self.redis_password_file.clone(),
+            "redis-password-file",
+        )
+        .map_err(|problem| vec![problem])?;
+        StoreSettings::new(&self.redis, password, &self.prefix, self.slot_groups)
+    }
+}
+
+/// Version 0's bucket count, for every command that needs it.
+#[derive(Clone, Copy, Args, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", default)]
+#[command(next_help_heading = REDIS)]
+pub struct BucketsArg {
+    /// Buckets per post (N): bucket = xxh64(user_id) % N. Changing it moves users between buckets.
+    #[arg(long, env = "TALLY_BUCKETS", default_value_t = lib::DEFAULT_BUCKETS)]
+    pub buckets: u32,
+}
+
+impl Default for BucketsArg {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl BucketsArg {
+    /// The bucket count, checked.
+    pub fn get(&self) -> Result<u32, ConfigError> {
+        if self.buckets == 0 || self.buckets > 1 << 20 {
+            return Err(lib::bad("buckets", "must be between 1 and 1048576"));
+        }
+        Ok(self.buckets)
+    }
+}
+
+/// The settings of `tally run`: each is a flag, a `TALLY_*` variable and a
+/// key of the `--config` file (flag > variable > file > default; see [`load`]).
+#[derive(Clone, Args, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", default)]
+pub struct RunArgs {
+    /// TOML file with settings (keys are the flag names without `--`).
+    #[arg(long, env = "TALLY_CONFIG", value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// Kafka bootstrap servers, comma separated (host:port,...).
+    #[arg(long, env = "TALLY_BROKERS", default_value = lib::DEFAULT_BROKERS, help_heading = KAFKA)]
+    pub brokers: String,
+
+    /// Topic of like events to consume.
+    #[arg(long, env = "TALLY_TOPIC", default_value = lib::DEFAULT_TOPIC, help_heading = KAFKA)]
+    pub topic: String,
+
+    /// Kafka consumer group; fences are kept per group, so two groups count independently.
+    #[arg(long, env = "TALLY_GROUP", default_value = lib::DEFAULT_GROUP, help_heading = KAFKA)]
+    pub group: String,
+
+    /// Topic that receives copies of malformed messages (with the reason in a header).
+    #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC", help_heading = KAFKA)]
+    pub dead_letter_topic: Option<String>,
+
+    /// Where the counts are.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub store: StoreArgs,
+
+    /// Version 0's buckets.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub buckets: BucketsArg,
+
+    /// Promote a post to --hot-buckets when its events across all consumers
+    /// exceed this many per second (0 turns detection off; `tally promote` still works).
+    #[arg(long, env = "TALLY_PROMOTE_ABOVE", default_value_t = lib::DEFAULT_PROMOTE_ABOVE, help_heading = HOT)]
+    pub promote_above: u64,
+
+    /// Buckets a hot post is promoted to (a new routing version; old keys stay summed).
+    #[arg(long, env = "TALLY_HOT_BUCKETS", default_value_t = lib::DEFAULT_HOT_BUCKETS, help_heading = HOT)]
+    pub hot_buckets: u32,
+
+    /// How often the routing registry is read again (milliseconds); at most 2000, so
+    /// new versions are known well before they take effect.
+    #[arg(long, env = "TALLY_ROUTE_REFRESH_MS", default_value_t = lib::DEFAULT_ROUTE_REFRESH_MS, help_heading = HOT)]
+    pub route_refresh_ms: u64,
+
+    /// Close a partition's batch after this many messages.
+    #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = lib::DEFAULT_BATCH_MAX_EVENTS, help_heading = BATCHING)]
+    pub batch_max_events: u64,
+
+    /// Close a partition's batch after this many distinct (post, bucket) counters.
+    #[arg(long, env = "TALLY_BATCH_MAX_KEYS", default_value_t = lib::DEFAULT_BATCH_MAX_KEYS, help_heading = BATCHING)]
+    pub batch_max_keys: usize,
+
+    /// Close a partition's batch when it is this old (milliseconds).
+    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = lib::DEFAULT_FLUSH_INTERVAL_MS, help_heading = BATCHING)]
+    pub flush_interval_ms: u64,
+
+    /// Scripts in flight to Redis at once, across partitions (one per partition at most).
+    #[arg(long, env = "TALLY_MAX_IN_FLIGHT", default_value_t = lib::DEFAULT_MAX_IN_FLIGHT, help_heading = BATCHING)]
+    pub max_in_flight: usize,
+
+    /// On SIGTERM/SIGINT, how long to wait for in-flight batches before exiting (seconds).
+    #[arg(long, env = "TALLY_SHUTDOWN_TIMEOUT_SECS", default_value_t = lib::DEFAULT_SHUTDOWN_TIMEOUT_SECS, help_heading = BATCHING)]
+    pub shutdown_timeout_secs: u64,
+
+    /// Serve /metrics, /healthz and /readyz on this address; a bare port listens on
+    /// 127.0.0.1 only (give 0.0.0.0:PORT to serve other hosts).
+    #[arg(long, env = "TALLY_METRICS_ADDR", value_name = "ADDR", value_parser = parse_http_addr)]
+    #[serde(deserialize_with = "http_addr")]
+    pub metrics_addr: Option<SocketAddr>,
+
+    /// Kafka security.protocol.
+    #[arg(long, env = "TALLY_KAFKA_SECURITY_PROTOCOL", value_parser = protocol_parser(), help_heading = SECURITY)]
+    pub kafka_security_protocol: Option<SecurityProtocol>,
+
+    /// Kafka sasl.mechanism (with a sasl_* protocol).
+    #[arg(long, env = "TALLY_KAFKA_SASL_MECHANISM", value_parser = mechanism_parser(), ignore_case = true, help_heading = SECURITY)]
+    pub kafka_sasl_mechanism: Option<SaslMechanism>,
+
+    /// Kafka sasl.username.
+    #[arg(long, env = "TALLY_KAFKA_SASL_USERNAME", help_heading = SECURITY)]
+    pub kafka_sasl_username: Option<String>,
+
+    /// Kafka sasl.password (prefer the variable or the file: flags show in `ps`).
+    #[arg(long, env = "TALLY_KAFKA_SASL_PASSWORD", hide_env_values = true, help_heading = SECURITY)]
+    pub kafka_sasl_password: Option<String>,
+
+    /// File holding the Kafka SASL password.
+    #[arg(long, env = "TALLY_KAFKA_SASL_PASSWORD_FILE", value_name = "FILE", help_heading = SECURITY)]
+    pub kafka_sasl_password_file: Option<PathBuf>,
+
+    /// PEM file of the CAs that sign the brokers' certificates (ssl.ca.location).
+    #[arg(long, env = "TALLY_KAFKA_SSL_CA_LOCATION", value_name = "FILE", help_heading = SECURITY)]
+    pub kafka_ssl_ca_location: Option<PathBuf>,
+
+    /// PEM client certificate for mutual TLS (ssl.certificate.location).
+    #[arg(long, env = "TALLY_KAFKA_SSL_CERTIFICATE_LOCATION", value_name = "FILE", help_heading = SECURITY)]
+    pub kafka_ssl_certificate_location: Option<PathBuf>,
+
+    /// PEM private key of that certificate (ssl.key.location).
+    #[arg(long, env = "TALLY_KAFKA_SSL_KEY_LOCATION", value_name = "FILE", help_heading = SECURITY)]
+    pub kafka_ssl_key_location: Option<PathBuf>,
+
+    /// Testing only: send the scripts of a batch one by one with this pause
+    /// between them (milliseconds), so a crash can land between two scripts.
+    #[arg(
+        long,
+        env = "TALLY_TEST_SCRIPT_PAUSE_MS",
+        default_value_t = 0,
+        hide = true
+    )]
+    #[serde(skip)]
+    pub test_script_pause_ms: u64,
+
+    /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000. In the
+    /// file, a [kafka-config] table.
+    #[arg(short = 'X', long = "kafka-config", env = "TALLY_KAFKA_CONFIG", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = parse_key_value, help_heading = KAFKA)]
+    #[serde(with = "kafka_table")]
+    pub kafka_config: Vec<(String, String)>,
+}
+
+impl Default for RunArgs {
+    /// Every setting at its default, whatever the environment holds.
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+/// A flag group with every flag at its default, whatever the environment holds.
+fn defaults<T: Args + FromArgMatches>() -> T {
+    let command =
+        T::augment_args(clap::Command::new("tally")).mut_args(|arg| arg.env(None::<&str>));
+    let matches = command
+        .try_get_matches_from(["tally"])
+        .expect("the defaults parse");
+    T::from_arg_matches(&matches).expect("the defaults parse")
+}
+
+impl RunArgs {
+    /// The settings these flags name, secrets read; every problem at once.
+    pub fn settings(&self) -> Result<RunSettings, Vec<ConfigError>> {
+        let mut problems = Vec::new();
+        // A part that does not parse stands at its default, so the checks
+        // across parts still report what else is wrong.
+        let store = self.store.settings().unwrap_or_else(|p| {
+            problems.extend(p);
+            StoreArgs::default().settings().expect("the defaults parse")
+        });
+        let security = self.kafka_security().unwrap_or_else(|p| {
+            problems.extend(p);
+            KafkaSecurity::default()
+        });
+        let settings = RunSettings {
+            kafka: KafkaSettings {
+                brokers: self.brokers.clone(),
+                topic: self.topic.clone(),
+                group: self.group.clone(),
+                dead_letter_topic: self.dead_letter_topic.clone(),
+                security,
+                extra: self.kafka_config.clone(),
+            },
+            store,
+            buckets: self.buckets.buckets,
+            hot: HotSettings {
+                promote_above: self.promote_above,
+                hot_buckets: self.hot_buckets,
+                route_refresh: Duration::from_millis(self.route_refresh_ms),
+            },
+            batching: Batching {
+                max_events: self.batch_max_events,
+                max_keys: self.batch_max_keys,
+                flush_interval: Duration::from_millis(self.flush_interval_ms),
+                max_in_flight: self.max_in_flight,
+                shutdown_timeout: Duration::from_secs(self.shutdown_timeout_secs),
+            },
+            metrics_addr: self.metrics_addr,
+            test_script_pause: Duration::from_millis(self.test_script_pause_ms),
+        };
+        problems.extend(settings.problems());
+        if problems.is_empty() {
+            Ok(settings)
+        } else {
+            Err(problems)
+        }
+    }
+
+    fn kafka_security(&self) -> Result<KafkaSecurity, Vec<ConfigError>> {
+        let password = Password::from_sources(
+            self.kafka_sasl_password.clone(),
+            self.kafka_sasl_password_file.clone(),
+            "kafka-sasl-password-file",
+        )
+        .map_err(|problem| vec![problem])?;
+        KafkaSecurity::new(KafkaSecurityInput {
+            protocol: self.kafka_security_protocol,
+            mechanism: self.kafka_sasl_mechanism,
+            username: self.kafka_sasl_username.clone(),
+            password,
+            ca_location: self.kafka_ssl_ca_location.clone(),
+            certificate_location: self.kafka_ssl_certificate_location.clone(),
+            key_location: self.kafka_ssl_key_location.clone(),
+        })
+    }
+}
+
+/// `--kafka-security-protocol`'s values.
+fn protocol_parser() -> impl TypedValueParser<Value = SecurityProtocol> {
+    PossibleValuesParser::new(SecurityProtocol::ALL.map(SecurityProtocol::as_str))
+        .map(|name| name.parse().expect("a listed protocol"))
+}
+
+/// `--kafka-sasl-mechanism`'s values.
+fn mechanism_parser() -> impl TypedValueParser<Value = SaslMechanism> {
+    PossibleValuesParser::new(SaslMechanism::ALL.map(SaslMechanism::as_str))
+        .map(|name| name.parse().expect("a listed mechanism"))
+}
+
+/// Parses an HTTP listen address: `HOST:PORT`, or a bare `PORT` (or `:PORT`)
+/// on loopback.
+pub fn parse_http_addr(s: &str) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    let port = s.strip_prefix(':').unwrap_or(s);
+    if let Ok(port) = port.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.parse()
+        .map_err(|_| format!("expected IP:PORT or a port, got '{s}'"))
+}
+
+fn http_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+    Option::<String>::deserialize(d)?
+        .map(|s| parse_http_addr(&s).map_err(serde::de::Error::custom))
+        .transpose()
+}
+
+/// Parses a repeatable `KEY=VALUE` flag.
+pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("expected key=value, got '{s}'")),
+    }
+}
+
+/// `kafka-config` as a TOML table of librdkafka keys; values may be strings,
+/// numbers or booleans.
+mod kafka_table {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Integer(i64),
+        Float(f64),
+        Bool(bool),
+    }
+
+    pub fn serialize<S: Serializer>(v: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
+        let map: BTreeMap<&str, &str> = v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        map.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+        let map = BTreeMap::<String, Scalar>::deserialize(d)?;
+        Ok(map
+            .into_iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    Scalar::Text(s) => s,
+                    Scalar::Integer(i) => i.to_string(),
+                    Scalar::Float(f) => f.to_string(),
+                    Scalar::Bool(b) => b.to_string(),
+                };
+                (k, v)
+            })
+            .collect())
+    }
+}
+
+/// Parses `args` (without the program name) as one flattened flag group; for tests.
+#[cfg(test)]
+pub fn parse_flags<T: clap::Args + clap::FromArgMatches>(args: &[&str]) -> Result<T, clap::Error> {
+    let command = T::augment_args(clap::Command::new("tally"));
+    let matches =
+        command.try_get_matches_from(std::iter::once("tally").chain(args.iter().copied()))?;
+    T::from_arg_matches(&matches)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> RunArgs {
+        parse_flags(args).unwrap()
+    }
+
+    fn flags(args: &[&str]) -> Vec<&'static str> {
+        match parse(args).settings() {
+            Ok(_) => Vec::new(),
+            Err(problems) => problems.iter().map(|p| p.flag).collect(),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let args = parse(&[]);
+        assert_eq!(args.buckets.buckets, 16);
+        assert_eq!(args.store.prefix, "tally");
+        let settings = args.settings().unwrap();
+        assert_eq!(settings.store.url().shown(), "redis://127.0.0.1:6379/");
+    }
+
+    #[test]
+    fn passthrough_and_problems_name_the_flag() {
+        let args = parse(&["-X", "session.timeout.ms=6000", "-X", "fetch.min.bytes=1"]);
+        assert_eq!(args.kafka_config.len(), 2);
+        assert_eq!(flags(&["--buckets", "0"]), ["buckets"]);
+        assert_eq!(flags(&["--redis", "localhost:6379"]), ["redis"]);
+        assert_eq!(flags(&["-X", "enable.auto.commit=true"]), ["kafka-config"]);
+        assert!(parse_flags::<RunArgs>(&["-X", "nonsense"]).is_err());
+    }
+
+    #[test]
+    fn every_setting_has_its_variable() {
+        let command = RunArgs::augment_args(clap::Command::new("tally"));
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            assert_eq!(
+                env,
+                Some(format!("TALLY_{}", id.to_uppercase())),
+                "--{id} lacks its TALLY_* variable"
+            );
+        }
+    }
+
+    #[test]
+    fn shutdown_must_end_within_the_session_timeout() {
+        assert_eq!(
+            flags(&["-X", "session.timeout.ms=6000"]),
+            ["shutdown-timeout-secs"]
+        );
+        let fine = &[
+            "--shutdown-timeout-secs",
+            "5",
+            "-X",
+            "session.timeout.ms=6000",
+        ];
+        assert!(flags(fine).is_empty());
+        assert!(flags(&[]).is_empty(), "defaults: 10 s within 45 s");
+    }
+
+    #[test]
+    fn sasl_settings_become_librdkafka_properties() {
+        let settings = parse(&[
+            "--kafka-security-protocol",
+            "sasl_ssl",
+            "--kafka-sasl-mechanism",
+            "scram-sha-512",
+            "--kafka-sasl-username",
+            "tally",
+            "--kafka-sasl-password",
+            "pw",
+            "--shutdown-timeout-secs",
+            "5",
+            "-X",
+            "session.timeout.ms=6000",
+        ])
+        .settings()
+        .unwrap();
+        let properties = settings.kafka.properties();
+        for (key, value) in [
+            ("security.protocol", "sasl_ssl"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "tally"),
+            ("sasl.password", "pw"),
+            ("session.timeout.ms", "6000"),
+        ] {
+            assert!(
+                properties.contains(&(key.to_string(), value.to_string())),
+                "{key}"
+            );
+        }
+        assert!(
+            !settings
+                .kafka
+                .security
+                .properties()
+                .iter()
+                .any(|(k, _)| k == "session.timeout.ms")
+        );
+    }
+
+    #[test]
+    fn every_problem_gets_its_own_line() {
+        let problems = flags(&[
+            "--buckets",
+            "0",
+            "--kafka-security-protocol",
+            "sasl_plaintext",
+            "--kafka-ssl-ca-location",
+            "/nonexistent/ca.pem",
+            "--redis",
+            "redis://a:b@h/",
+            "--redis-password",
+            "c",
+            "-X",
+            "enable.auto.commit=true",
+        ]);
+        assert_eq!(
+            problems,
+            [
+                "redis-password",
+                "kafka-sasl-mechanism",
+                "kafka-sasl-username",
+                "kafka-sasl-password",
+                "kafka-ssl-ca-location",
+                "buckets",
+                "kafka-config",
+            ]
+        );
+        let problems = flags(&[
+            "--buckets",
+            "0",
+            "-X",
+            "enable.auto.commit=true",
+            "--kafka-security-protocol",
+            "ssl",
+            "-X",
+            "security.protocol=ssl",
+        ]);
+        assert_eq!(problems, ["buckets", "kafka-config", "kafka-config"]);
+        assert_eq!(
+            flags(&["--kafka-sasl-username", "u"]),
+            ["kafka-sasl-username"]
+        );
+    }
+
+    #[test]
+    fn password_files_are_read_once_and_joined_to_the_url() {
+        let dir = tempfile::tempdir().unwrap();
+        let (redis_pw, kafka_pw) = (dir.path().join("redis"), dir.path().join("kafka"));
+        std::fs::write(&redis_pw, "r3dis\n").unwrap();
+        std::fs::write(&kafka_pw, "k4fka\n").unwrap();
+        let settings = parse(&[
+            "--redis",
+            "redis://alice@127.0.0.1:6379/",
+            "--redis-password-file",
+            redis_pw.to_str().unwrap(),
+            "--kafka-security-protocol",
+            "sasl_ssl",
+            "--kafka-sasl-mechanism",
+            "PLAIN",
+            "--kafka-sasl-username",
+            "tally",
+            "--kafka-sasl-password-file",
+            kafka_pw.to_str().unwrap(),
+        ])
+        .settings()
+        .unwrap();
+        assert_eq!(
+            settings.store.url().target().nodes(),
+            ["redis://alice:r3dis@127.0.0.1:6379/"]
+        );
+        assert!(
+            settings
+                .kafka
+                .security
+                .properties()
+                .contains(&("sasl.password".into(), "k4fka".into()))
+        );
+        assert_eq!(
+            flags(&["--redis-password-file", "/nonexistent/pw"]),
+            ["redis-password-file"]
+        );
+    }
+
+    #[test]
+    fn a_bare_metrics_port_listens_on_loopback() {
+        let args = parse(&["--metrics-addr", "9464"]);
+        assert_eq!(args.metrics_addr, Some(([127, 0, 0, 1], 9464).into()));
+        assert_eq!(parse_http_addr(":1").unwrap(), ([127, 0, 0, 1], 1).into());
+        assert_eq!(
+            parse_http_addr("0.0.0.0:2").unwrap(),
+            ([0, 0, 0, 0], 2).into()
+        );
+        assert!(parse_http_addr("localhost").is_err());
+    }
+}

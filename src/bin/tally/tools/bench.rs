@@ -1,0 +1,427 @@
+//! Bench: `tally bench`, tally against its ceiling and the obvious alternative,
+//! on the same events, in one run.
+//!
+//! For each workload (Zipf popularity; Zipf plus a viral reel) it starts its
+//! own Tansu broker and redis-server on free loopback ports, produces the
+//! events once into a topic, and then lets four consumers read that same
+//! backlog from the start, each in its own process, group and key prefix:
+//!
+//! * **raw**: a consumer group that receives and decodes, and writes nothing
+//!   (not even offsets): the broker's and the client's ceiling;
+//! * **naive**: one `INCR`/`DECR` per event on tally's key layout, each
+//!   awaited before the next, offsets committed after each poll batch (up to
+//!   [`NAIVE_POLL_BATCH`] messages already fetched, the Java client's
+//!   `max.poll.records` default): what most teams write first;
+//! * **naive, pipelined**: the same commands sent as one pipeline per poll
+//!   batch, the first optimisation such a team makes. Neither naive consumer
+//!   has a fence, so neither is exactly-once across a crash;
+//! * **tally**: `tally run` with its defaults, as a user starts it.
+//!
+//! It reports events/s (from the first event handled, or for tally from its
+//! partition assignment, to the last, so the group join is excluded; the
+//! naive consumers stop after `--naive-max-secs`), CPU per event of the
+//! consumer and of the broker (`/proc/PID/stat`), Redis calls per event
+//! (`INFO commandstats` delta; calls made inside Lua scripts count too, and the
+//! benchmark's own polling is subtracted), Redis CPU seconds per million
+//! events (`INFO cpu` delta), peak RSS of the consumer process (`VmHWM`), and
+//! for tally the produce-to-visible latency of a marker post while new events
+//! arrive at a fixed rate. Counts of a sample of posts are checked against the
+//! producer's truth. Broker, Redis, producer and consumers share the machine's
+//! cores, so the report names the machine; the CPU columns show who is busy.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use rustc_hash::FxHashMap;
+
+use crate::tools::produce::{Plan, progress_bar, send};
+use report::{render, thousands, write_between_markers};
+use services::{start_redis, start_tansu};
+use tally::generate::TrafficShape;
+use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_SLOT_GROUPS, StoreSettings};
+use tally::read::Reader;
+use tally_run::{Latency, LatencyPlan};
+
+mod baseline;
+mod report;
+mod services;
+mod tally_run;
+
+pub use baseline::Baseline;
+use services::create_topic;
+
+use crate::settings::{StoreArgs, parse_key_value};
+
+/// Settings of `tally bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchConfig {
+    /// Events in each workload's backlog (every consumer reads all of them).
+    #[arg(long, default_value_t = 5_000_000)]
+    pub events: u64,
+
+    /// Posts of both workloads (ids 1..=posts).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub posts: u64,
+
+    /// Zipf exponent s of post popularity.
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf: f64,
+
+    /// Likes per second of the viral reel during the latency phase; sets its share of the traffic.
+    #[arg(long, default_value_t = 9_000)]
+    pub viral_rate: u64,
+
+    /// Partitions of each workload's topic.
+    #[arg(long, default_value_t = 8)]
+    pub partitions: u32,
+
+    /// Stop the naive consumer after this many seconds; its figures cover what it read.
+    #[arg(long, default_value_t = 30)]
+    pub naive_max_secs: u64,
+
+    /// Length of tally's fixed-rate latency phase, in seconds.
+    #[arg(long, default_value_t = 20)]
+    pub latency_secs: u64,
+
+    /// Rate of the latency phase, as a fraction of tally's measured Zipf rate.
+    #[arg(long, default_value_t = 0.5)]
+    pub latency_load: f64,
+
+    /// librdkafka setting for every consumer measured, raw, naive and tally alike; repeatable:
+    /// -X fetch.wait.max.ms=10. The report lists them.
+    #[arg(short = 'X', long = "kafka-config", value_parser = parse_key_value)]
+    pub kafka_config: Vec<(String, String)>,
+
+    /// librdkafka setting for the producers that write the workloads, repeatable:
+    /// -P linger.ms=50. Larger record batches raise what a broker can hand a consumer per fetch.
+    #[arg(short = 'P', long = "producer-config", value_parser = parse_key_value)]
+    pub producer_config: Vec<(String, String)>,
+
+    /// Argument for the measured `tally run`, repeatable: --tally-arg=--buckets=1. Without any,
+    /// tally runs with its defaults; the report names the arguments.
+    #[arg(long = "tally-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub tally_args: Vec<String>,
+
+    /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+impl BenchConfig {
+    fn validate(&self) -> Result<(), String> {
+        let bad = |flag: &str, problem: &str| Err(format!("--{flag}: {problem}"));
+        if self.events < 1000 {
+            return bad("events", "must be at least 1000");
+        }
+        if self.posts == 0 || !(self.zipf.is_finite() && self.zipf > 0.0) {
+            return bad("posts", "--posts and --zipf must be positive");
+        }
+        if self.partitions == 0 {
+            return bad("partitions", "must be at least 1");
+        }
+        if !(self.latency_load > 0.0 && self.latency_load <= 1.0) {
+            return bad("latency-load", "must be above 0 and at most 1");
+        }
+        if self.latency_secs == 0 || self.naive_max_secs == 0 {
+            return bad(
+                "latency-secs",
+                "--latency-secs and --naive-max-secs must be at least 1",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The services and settings shared by every phase.
+struct Env {
+    brokers: String,
+    redis: String,
+    naive_max_secs: u64,
+    dir: PathBuf,
+    broker_pid: String,
+    /// `-X key=value` arguments for every consumer.
+    kafka_args: Vec<String>,
+    /// librdkafka settings of the producers that write each workload.
+    producer_config: Vec<(String, String)>,
+    /// Extra arguments of the measured `tally run`.
+    tally_args: Vec<String>,
+}
+
+/// What one consumer achieved on one workload.
+#[derive(Debug, Clone, Default)]
+struct Measured {
+    events: u64,
+    secs: f64,
+    complete: bool,
+    redis: Option<(Vec<(String, u64)>, f64)>,
+    rss_kib: Option<u64>,
+    /// CPU seconds of the consumer process, and events it handled meanwhile.
+    consumer_cpu: Option<(f64, u64)>,
+    /// CPU seconds the broker used during the phase.
+    broker_cpu: Option<f64>,
+    latency: Option<Latency>,
+    checked: Option<(usize, usize)>,
+}
+
+impl Measured {
+    fn rate(&self) -> f64 {
+        self.events as f64 / self.secs.max(1e-9)
+    }
+
+    fn calls_per_event(&self) -> Option<f64> {
+        let (calls, _) = self.redis.as_ref()?;
+        Some(calls.iter().map(|(_, n)| n).sum::<u64>() as f64 / self.events.max(1) as f64)
+    }
+
+    fn consumer_cpu_per_million(&self) -> Option<f64> {
+        let (cpu, events) = self.consumer_cpu?;
+        Some(cpu * 1e6 / events.max(1) as f64)
+    }
+
+    fn broker_cpu_per_million(&self) -> Option<f64> {
+        Some(self.broker_cpu? * 1e6 / self.events.max(1) as f64)
+    }
+
+    fn cpu_per_million(&self) -> Option<f64> {
+        let (_, cpu) = self.redis.as_ref()?;
+        Some(cpu * 1e6 / self.events.max(1) as f64)
+    }
+}
+
+/// Everything measured on one workload.
+struct Outcome {
+    title: String,
+    events: u64,
+    produce_rate: f64,
+    raw: Measured,
+    naive: Measured,
+    pipelined: Measured,
+    tally: Measured,
+}
+
+/// Settings of one baseline consumer, a child process of `tally bench`
+/// (the hidden command `tally bench-baseline`).
+#[derive(Clone, Args)]
+pub struct BaselineArgs {
+    /// Which baseline to run.
+    #[arg(long, value_enum)]
+    pub baseline: Baseline,
+    /// Bootstrap servers.
+    #[arg(long)]
+    pub brokers: String,
+    /// Topic to read.
+    #[arg(long)]
+    pub topic: String,
+    /// Consumer group.
+    #[arg(long)]
+    pub group: String,
+    /// Messages to handle before printing the figures.
+    #[arg(long)]
+    pub events: u64,
+    /// Stop a naive consumer after this many seconds.
+    #[arg(long)]
+    pub naive_max_secs: u64,
+    /// librdkafka setting, repeatable.
+    #[arg(short = 'X', long = "kafka-config", value_parser = parse_key_value)]
+    pub kafka_config: Vec<(String, String)>,
+    /// Where the naive consumers write.
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// Runs one baseline child.
+pub async fn baseline(args: BaselineArgs) -> Result<()> {
+    baseline::run(&args).await
+}
+
+/// Runs `tally bench`.
+pub async fn bench(config: BenchConfig) -> Result<()> {
+    config.validate().map_err(anyhow::Error::msg)?;
+    tokio::task::spawn_blocking(move || bench_blocking(config))
+        .await
+        .context("the benchmark thread failed")?
+}
+
+fn bench_blocking(config: BenchConfig) -> Result<()> {
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir()?;
+    let (_redis, redis) = start_redis(dir.path())?;
+    let (tansu, brokers) = start_tansu(dir.path())?;
+    let env = Env {
+        brokers,
+        redis,
+        naive_max_secs: config.naive_max_secs,
+        dir: dir.path().to_path_buf(),
+        broker_pid: tansu.pid().to_string(),
+        kafka_args: config
+            .kafka_config
+            .iter()
+            .flat_map(|(k, v)| ["-X".to_string(), format!("{k}={v}")])
+            .collect(),
+        producer_config: config.producer_config.clone(),
+        tally_args: config.tally_args.clone(),
+    };
+    eprintln!(
+        "broker {}, redis {}, logs in {}",
+        env.brokers,
+        env.redis,
+        env.dir.display()
+    );
+    let shape = TrafficShape {
+        posts: config.posts,
+        zipf_exponent: config.zipf,
+        viral_share: 0.0,
+        ..TrafficShape::default()
+    };
+    let latency = LatencyPlan {
+        rate: None,
+        load: config.latency_load,
+        secs: config.latency_secs,
+    };
+    let title = format!(
+        "Zipf: s = {} over {} posts",
+        config.zipf,
+        thousands(config.posts)
+    );
+    let zipf = workload(&env, &config, "zipf", title, &shape, &latency)?;
+    // The viral reel gets `viral_rate` likes/s at the latency phase's rate,
+    // which both workloads share.
+    let rate = zipf.tally.latency.map_or(1, |l| l.target_rate).max(1);
+    let viral_share = (config.viral_rate as f64 / rate as f64).min(0.5);
+    let shape = TrafficShape {
+        viral_share,
+        ..shape
+    };
+    let title = format!(
+        "Viral reel: the same Zipf traffic plus post {} taking {:.1}% of events ({} likes/s at {} events/s)",
+        shape.viral_post,
+        viral_share * 100.0,
+        thousands((viral_share * rate as f64).round() as u64),
+        thousands(rate)
+    );
+    let latency = LatencyPlan {
+        rate: Some(rate),
+        ..latency
+    };
+    let viral = workload(&env, &config, "viral", title, &shape, &latency)?;
+    let report = render(&config, &env, &[zipf, viral])?;
+    println!("{report}");
+    if let Some(path) = &config.out {
+        write_between_markers(path, &report)?;
+        eprintln!("table written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn workload(
+    env: &Env,
+    config: &BenchConfig,
+    name: &str,
+    title: String,
+    shape: &TrafficShape,
+    latency: &LatencyPlan,
+) -> Result<Outcome> {
+    let topic = format!("likes-{name}");
+    create_topic(&env.brokers, &topic, config.partitions)?;
+    let plan = Plan {
+        shape: shape.clone(),
+        seed: 42,
+        events: Some(config.events),
+        duration: None,
+        rate: None,
+        marker: None,
+    };
+    let bar = progress_bar(Some(config.events), &format!("{name}: producing"));
+    let produced = send(
+        &env.brokers,
+        &topic,
+        &env.producer_config,
+        &plan,
+        &AtomicBool::new(false),
+        &bar,
+    )?;
+    if produced.failed > 0 {
+        bail!(
+            "{} events were not acknowledged by the broker",
+            produced.failed
+        );
+    }
+    let produce_rate = produced.acked as f64 / produced.elapsed.as_secs_f64().max(1e-9);
+    eprintln!(
+        "{name}: {} events produced at {produce_rate:.0}/s",
+        produced.acked
+    );
+    let mut truth = produced.truth;
+    let measure = |kind: Baseline| {
+        eprintln!("{name}: {} consumer...", kind.name());
+        baseline::measure(kind, env, &topic, name, &truth, produced.acked)
+    };
+    let raw = measure(Baseline::Raw)?;
+    let naive = measure(Baseline::Naive)?;
+    let pipelined = measure(Baseline::NaivePipelined)?;
+    eprintln!("{name}: tally run...");
+    let tally = tally_run::measure(
+        env,
+        &topic,
+        name,
+        config.partitions,
+        &mut truth,
+        shape,
+        latency,
+    )?;
+    Ok(Outcome {
+        title,
+        events: produced.acked,
+        produce_rate,
+        raw,
+        naive,
+        pipelined,
+        tally,
+    })
+}
+
+/// Compares a sample of posts (the 100 largest, the viral post among them, the
+/// marker post, and an even spread of the rest) with the truth, read the way
+/// users read counts (`read::Reader`: the base buckets plus every routing
+/// version of a promoted post); returns (checked, wrong).
+fn check_sample(
+    redis_url: &str,
+    prefix: &str,
+    truth: &FxHashMap<u64, i64>,
+) -> Result<(usize, usize)> {
+    let mut posts: Vec<(u64, i64)> = truth.iter().map(|(&p, &c)| (p, c)).collect();
+    posts.sort_unstable_by_key(|&(p, c)| (std::cmp::Reverse(c), p));
+    let step = (posts.len() / 1000).max(1);
+    let mut sample: Vec<(u64, i64)> = posts.iter().take(100).copied().collect();
+    sample.extend(posts.iter().skip(100).step_by(step).copied());
+    if let Some(&count) = truth.get(&tally_run::MARKER_POST) {
+        sample.push((tally_run::MARKER_POST, count));
+    }
+    let ids: Vec<u64> = sample.iter().map(|&(post, _)| post).collect();
+    let counts = tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current().block_on(async {
+            let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
+                .map_err(crate::errors::Problems)?;
+            let opened = tally::domain::layout::open(&settings).await?;
+            let reader = Reader::new(opened.store, opened.keys, DEFAULT_BUCKETS, Duration::ZERO);
+            let mut counts = Vec::with_capacity(ids.len());
+            for chunk in ids.chunks(500) {
+                counts.extend(reader.counts(chunk).await?);
+            }
+            anyhow::Ok(counts)
+        })
+    })?;
+    let mut wrong = 0;
+    for (&(post, want), count) in sample.iter().zip(&counts) {
+        let got = count.likes;
+        if got != want {
+            wrong += 1;
+            if wrong <= 3 {
+                tracing::warn!(post, want, got, prefix, "Count differs from the truth.");
+            }
+        }
+    }
+    Ok((sample.len(), wrong))
+}

@@ -1,0 +1,332 @@
+//! The report: one Markdown table per workload, the machine and the exact
+//! command, written between two markers of a file so the prose around it stays.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use super::services::redis_conn;
+use super::{BenchConfig, Env, Measured, Outcome};
+use tally::infra::config::DEFAULT_BUCKETS;
+
+/// 1234567 -> "1,234,567".
+pub(super) fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 && a.is_finite() {
+        format!("{:.2}×", a / b)
+    } else {
+        "–".into()
+    }
+}
+
+fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Result {
+    let dash = || "–".to_string();
+    let calls = m.calls_per_event().map_or_else(dash, |c| format!("{c:.3}"));
+    let cpu = m.cpu_per_million().map_or_else(dash, |c| format!("{c:.2}"));
+    let consumer = m
+        .consumer_cpu_per_million()
+        .map_or_else(dash, |c| format!("{c:.2}"));
+    let broker = m
+        .broker_cpu_per_million()
+        .map_or_else(dash, |c| format!("{c:.2}"));
+    let latency = m.latency.map_or_else(dash, |l| {
+        format!(
+            "{:.0} / {:.0} ms at {} events/s",
+            l.p50_ms,
+            l.p99_ms,
+            thousands(l.reached_rate)
+        )
+    });
+    let rss = m
+        .rss_kib
+        .map_or_else(dash, |k| format!("{:.0} MiB", k as f64 / 1024.0));
+    let checked = m.checked.map_or_else(dash, |(n, wrong)| {
+        if wrong == 0 {
+            format!("{n} of {n} exact")
+        } else {
+            format!("**{wrong} of {n} wrong**")
+        }
+    });
+    writeln!(
+        out,
+        "| {label}{note} | {} | {consumer} | {broker} | {calls} | {cpu} | {latency} | {rss} | {checked} |",
+        thousands(m.rate() as u64)
+    )
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_gib = meminfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:")?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!(
+        "{cores} cores ({model}), {mem_gib:.0} GiB, Linux {}",
+        kernel.trim()
+    )
+}
+
+/// Today's date (UTC) as YYYY-MM-DD.
+fn today_utc() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Civil-from-days, proleptic Gregorian calendar.
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// librdkafka settings as `key=value, ...`.
+fn key_values(settings: &[(String, String)]) -> String {
+    let pairs: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    pairs.join(", ")
+}
+
+/// The report: what was run where, then one section per workload.
+pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> Result<String> {
+    let redis_version = redis_version(&env.redis)?;
+    let mut out = String::new();
+    setup(&mut out, config, &redis_version)?;
+    for o in outcomes {
+        workload(&mut out, config, o)?;
+    }
+    Ok(out)
+}
+
+/// The version the redis-server at `url` reports.
+fn redis_version(url: &str) -> Result<String> {
+    let mut conn = redis_conn(url)?;
+    let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
+    Ok(server
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_string())
+}
+
+/// The command line as a reader would repeat it.
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // scripts/bench adds `--out docs/benchmarks.md` in front of its own arguments.
+    match args.as_slice() {
+        [bench, out, path, rest @ ..]
+            if bench == "bench" && out == "--out" && path == "docs/benchmarks.md" =>
+        {
+            format!("scripts/bench {}", rest.join(" "))
+        }
+        _ => format!("tally {}", args.join(" ")),
+    }
+}
+
+/// The command, the machine, the client settings, the date and the services.
+fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fmt::Result {
+    writeln!(
+        out,
+        "Command: `{}` (release build).  ",
+        command_line().trim_end()
+    )?;
+    writeln!(out, "Machine: {}.  ", machine())?;
+    if !config.kafka_config.is_empty() {
+        writeln!(
+            out,
+            "Every consumer (raw, naive and tally) was given `{}`.  ",
+            key_values(&config.kafka_config)
+        )?;
+    }
+    if !config.producer_config.is_empty() {
+        writeln!(
+            out,
+            "The workloads were produced with `{}` on top of the generator's defaults.  ",
+            key_values(&config.producer_config)
+        )?;
+    }
+    writeln!(
+        out,
+        "Date: {}. Services on the same machine: Tansu broker (memory storage), redis-server {redis_version} \
+         (no persistence), {} partitions per topic, {} buckets per post.",
+        today_utc(),
+        config.partitions,
+        DEFAULT_BUCKETS
+    )
+}
+
+/// One workload's section: its backlog, the table, tally against the others,
+/// and tally's own details.
+fn workload(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Result {
+    writeln!(out, "\n### {}\n", o.title)?;
+    writeln!(
+        out,
+        "{} events in the backlog, produced at {} events/s (one idempotent producer thread).\n",
+        thousands(o.events),
+        thousands(o.produce_rate as u64)
+    )?;
+    table(out, config, o)?;
+    comparison(out, o)?;
+    tally_details(out, config, o)
+}
+
+/// The table of the four consumers.
+fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Result {
+    writeln!(
+        out,
+        "| consumer | events/s | consumer CPU s / 1M events | broker CPU s / 1M events | Redis calls / event | Redis CPU s / 1M events | produce→visible p50 / p99 | peak RSS | sampled counts |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---|---:|---|")?;
+    row(out, "raw: receive + decode", &o.raw, "")?;
+    let capped = |m: &Measured| {
+        if m.complete {
+            String::new()
+        } else {
+            format!(
+                " (first {} events, {} s cap)",
+                thousands(m.events),
+                config.naive_max_secs
+            )
+        }
+    };
+    row(out, "naive: INCR per event", &o.naive, &capped(&o.naive))?;
+    let label = "naive, pipelined per poll batch";
+    row(out, label, &o.pipelined, &capped(&o.pipelined))?;
+    let label = if config.tally_args.is_empty() {
+        "tally run (defaults)".to_string()
+    } else {
+        format!("tally run ({})", config.tally_args.join(" "))
+    };
+    row(out, &label, &o.tally, "")
+}
+
+/// tally's figures as multiples of the raw and the naive consumers'.
+fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
+    let versus = |naive: &Measured| {
+        let fewer = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => ratio(a, b),
+            _ => "–".into(),
+        };
+        format!(
+            "events/s **{}**, Redis calls per event **{}** fewer, Redis CPU per event **{}** less",
+            ratio(o.tally.rate(), naive.rate()),
+            fewer(naive.calls_per_event(), o.tally.calls_per_event()),
+            fewer(naive.cpu_per_million(), o.tally.cpu_per_million()),
+        )
+    };
+    writeln!(
+        out,
+        "\ntally / raw: events/s **{}**.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
+        ratio(o.tally.rate(), o.raw.rate()),
+        versus(&o.naive),
+        versus(&o.pipelined),
+    )
+}
+
+/// tally's Redis calls by command and how its latency was measured, when known.
+fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Result {
+    if let Some((calls, _)) = &o.tally.redis {
+        let parts: Vec<String> = calls
+            .iter()
+            .take(4)
+            .map(|(name, n)| format!("{name} {:.4}", *n as f64 / o.tally.events.max(1) as f64))
+            .collect();
+        writeln!(
+            out,
+            "tally's Redis calls per event, by command (script-internal calls included): {}.",
+            parts.join(", ")
+        )?;
+    }
+    if let Some(l) = o.tally.latency {
+        writeln!(
+            out,
+            "Latency: {} marker likes over {} s while producing at a target of {} events/s.",
+            l.samples,
+            config.latency_secs,
+            thousands(l.target_rate)
+        )?;
+    }
+    Ok(())
+}
+
+const BEGIN: &str = "<!-- bench:begin (written by `tally bench --out`) -->";
+const END: &str = "<!-- bench:end -->";
+
+/// Replaces the text between the markers of `path` (or appends them).
+pub(super) fn write_between_markers(path: &Path, report: &str) -> Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{BEGIN}\n{report}{END}");
+    let new = match (old.find(BEGIN), old.find(END)) {
+        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &old[..b], &old[e + END.len()..]),
+        _ if old.is_empty() => format!("{block}\n"),
+        _ => format!("{}\n\n{block}\n", old.trim_end()),
+    };
+    std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tally_run::percentile;
+    use super::*;
+
+    #[test]
+    fn figures_format_as_documented() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_234_567), "1,234,567");
+        assert_eq!(ratio(3.0, 2.0), "1.50×");
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 0.5), 3.0);
+        assert_eq!(today_utc().len(), 10);
+    }
+
+    #[test]
+    fn report_replaces_only_its_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.md");
+        std::fs::write(
+            &path,
+            format!("# Title\n\n{BEGIN}\nold\n{END}\n\n## Analysis\n"),
+        )
+        .unwrap();
+        write_between_markers(&path, "new\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text,
+            format!("# Title\n\n{BEGIN}\nnew\n{END}\n\n## Analysis\n")
+        );
+    }
+}

@@ -1,0 +1,131 @@
+//! Services of the benchmark: the local broker and redis-server (see
+//! [`crate::tools::local`]), child processes of this binary, and the figures read
+//! from Redis and /proc.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rustc_hash::FxHashMap;
+
+pub use crate::tools::local::{create_topic, start_redis, start_tansu};
+
+/// A command for this same binary, with no `TALLY_*` setting inherited, so
+/// children run with defaults and the flags given here only.
+pub(super) fn self_command() -> Result<Command> {
+    let mut command = Command::new(std::env::current_exe().context("locating the tally binary")?);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("TALLY_") {
+            command.env_remove(name);
+        }
+    }
+    Ok(command)
+}
+
+/// Command calls and CPU time of a Redis server at one moment.
+#[derive(Debug, Clone, Default)]
+pub(super) struct RedisSnapshot {
+    calls: FxHashMap<String, u64>,
+    /// `used_cpu_sys + used_cpu_user`, seconds.
+    pub cpu_secs: f64,
+}
+
+impl RedisSnapshot {
+    pub(super) fn take(conn: &mut redis::Connection) -> Result<Self> {
+        let info: String = redis::cmd("INFO").arg("commandstats").query(conn)?;
+        let cpu: String = redis::cmd("INFO").arg("cpu").query(conn)?;
+        let mut snapshot = RedisSnapshot::default();
+        for line in info.lines() {
+            // cmdstat_incrby:calls=12,usec=...
+            if let Some((name, rest)) = line
+                .strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+                && let Some(calls) = rest
+                    .split(',')
+                    .find_map(|f| f.strip_prefix("calls="))
+                    .and_then(|c| c.parse().ok())
+                && name != "info"
+            {
+                snapshot.calls.insert(name.to_string(), calls);
+            }
+        }
+        for line in cpu.lines() {
+            if let Some((name, value)) = line.split_once(':')
+                && (name == "used_cpu_sys" || name == "used_cpu_user")
+            {
+                snapshot.cpu_secs += value.trim().parse::<f64>().unwrap_or(0.0);
+            }
+        }
+        Ok(snapshot)
+    }
+
+    /// Calls per command since `before`, largest first.
+    pub(super) fn delta(&self, before: &RedisSnapshot) -> Vec<(String, u64)> {
+        let mut calls: Vec<(String, u64)> = self
+            .calls
+            .iter()
+            .map(|(name, &n)| {
+                (
+                    name.clone(),
+                    n - before.calls.get(name).copied().unwrap_or(0),
+                )
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        calls.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+        calls
+    }
+}
+
+pub(super) fn redis_conn(url: &str) -> Result<redis::Connection> {
+    redis::Client::open(url)?
+        .get_connection()
+        .with_context(|| format!("connecting to {url}"))
+}
+
+/// Peak resident set of a process in KiB (`VmHWM`), `"self"` for this one.
+pub fn peak_rss_kib(pid: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// CPU time (user + system, all threads) a process has used, in seconds;
+/// `"self"` for this one. Reads `/proc/PID/stat` (USER_HZ is 100 on Linux).
+pub fn cpu_secs(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may contain spaces: state is the 3rd field.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some((ticks(11)? + ticks(12)?) as f64 / 100.0)
+}
+
+/// The partitions' `[low, high)` offsets of a topic.
+pub(super) fn watermarks(brokers: &str, topic: &str, partitions: u32) -> Result<Vec<(i64, i64)>> {
+    let consumer: BaseConsumer = tally::infra::config::kafka_client_config(brokers, &[])
+        .set("group.id", "tally-bench-watermarks")
+        .create()?;
+    (0..partitions as i32)
+        .map(|p| Ok(consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?))
+        .collect()
+}
+
+/// Stops a child the way an operator would (SIGTERM), then for sure.
+pub(super) fn terminate(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

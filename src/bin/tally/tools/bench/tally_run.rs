@@ -1,0 +1,455 @@
+//! tally under test: `tally run` with its defaults as a child process, followed
+//! through its fences in Redis, then timed end to end with a marker post.
+//!
+//! Progress is read from the fences alone (the last offset applied per
+//! partition), so the figures need nothing from tally's own counters: the
+//! backlog is consumed when every fence has reached its partition's high
+//! watermark. The latency is from the broker's acknowledgement of a marker
+//! like to the moment a `GET` of the marker's counter key (polled every
+//! millisecond) shows it; the marker's likes all come from one user, so they
+//! share one partition, arrive in order and land in one key.
+
+use std::fs::File;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rustc_hash::FxHashMap;
+
+use super::services::{
+    RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command, terminate, watermarks,
+};
+use super::{Env, Measured, check_sample};
+use crate::tools::produce::{Marker, Plan, Summary, progress_bar, send};
+use tally::domain::routing::{KeyLayout, bucket_of};
+use tally::generate::TrafficShape;
+use tally::infra::config::DEFAULT_BUCKETS;
+
+/// Follows a `tally run` child through its fences in Redis.
+struct FenceWatch {
+    conn: redis::Connection,
+    mget: redis::Cmd,
+    /// Commands this watch sent, to subtract from the server's figures.
+    sent: u64,
+}
+
+impl FenceWatch {
+    fn new(url: &str, prefix: &str, group: &str, topic: &str, partitions: u32) -> Result<Self> {
+        let keys = KeyLayout::new(prefix);
+        let mut mget = redis::cmd("MGET");
+        for p in 0..partitions as i32 {
+            mget.arg(keys.fence_key(group, topic, p, 0));
+        }
+        Ok(Self {
+            conn: redis_conn(url)?,
+            mget,
+            sent: 0,
+        })
+    }
+
+    /// Messages applied so far, given each partition's `[low, high)`.
+    fn applied(&mut self, marks: &[(i64, i64)]) -> Result<u64> {
+        self.sent += 1;
+        let fences: Vec<Option<i64>> = self.mget.query(&mut self.conn)?;
+        Ok(fences
+            .iter()
+            .zip(marks)
+            .map(|(fence, &(low, high))| {
+                fence.map_or(0, |f| ((f + 1).min(high) - low).max(0) as u64)
+            })
+            .sum())
+    }
+
+    /// Polls until every partition's fence reaches its high watermark.
+    /// Returns when consuming started (tally's log saying its partitions
+    /// were assigned, or else the first fence seen), what was applied then,
+    /// and when everything was.
+    fn until_caught_up(
+        &mut self,
+        marks: &[(i64, i64)],
+        child: &mut Child,
+        log: Option<&Path>,
+    ) -> Result<(Instant, u64, Instant)> {
+        let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
+        let mut first: Option<(Instant, u64)> = None;
+        let (mut last_progress, mut last_applied) = (Instant::now(), u64::MAX);
+        loop {
+            let applied = self.applied(marks)?;
+            let now = Instant::now();
+            if first.is_none() {
+                let assigned = log.is_some_and(|log| {
+                    std::fs::read_to_string(log).is_ok_and(|t| t.contains("Partitions assigned"))
+                });
+                if assigned || applied > 0 {
+                    first = Some((now, applied));
+                }
+            }
+            if applied >= total {
+                let (t0, a0) = first.unwrap_or((now, applied));
+                return Ok((t0, a0, now));
+            }
+            if applied != last_applied {
+                (last_progress, last_applied) = (now, applied);
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                bail!("tally run exited ({status}) at {applied} of {total} events");
+            }
+            if last_progress.elapsed() > Duration::from_secs(120) {
+                bail!("tally run made no progress for 120 s at {applied} of {total} events");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Times the marker post: one GET a millisecond, noting when each new like shows up.
+fn watch_marker(
+    url: &str,
+    key: String,
+    stop: Arc<AtomicBool>,
+    want: Arc<AtomicU64>,
+) -> Result<(Vec<Instant>, u64)> {
+    let mut conn = redis_conn(url)?;
+    let (mut seen, mut gets) = (Vec::new(), 0u64);
+    let deadline_after_stop = Duration::from_secs(30);
+    let mut stopped_at: Option<Instant> = None;
+    loop {
+        gets += 1;
+        let count: Option<i64> = redis::cmd("GET").arg(&key).query(&mut conn)?;
+        let now = Instant::now();
+        while (seen.len() as i64) < count.unwrap_or(0) {
+            seen.push(now);
+        }
+        if stop.load(Ordering::Relaxed) {
+            let since = *stopped_at.get_or_insert(now);
+            if seen.len() as u64 >= want.load(Ordering::Relaxed)
+                || since.elapsed() > deadline_after_stop
+            {
+                return Ok((seen, gets));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+pub(super) fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Runs `tally run` (defaults) on the backlog of `topic`, then through a
+/// fixed-rate latency phase of `shape` traffic; checks a sample of counts.
+pub(super) fn measure(
+    env: &Env,
+    topic: &str,
+    name: &str,
+    partitions: u32,
+    truth: &mut FxHashMap<u64, i64>,
+    shape: &TrafficShape,
+    latency: &LatencyPlan,
+) -> Result<Measured> {
+    let mut conn = redis_conn(&env.redis)?;
+    redis::cmd("FLUSHALL").arg("SYNC").query::<()>(&mut conn)?;
+    let (group, prefix) = (format!("{name}-tally"), format!("{name}-tally"));
+    let marks = watermarks(&env.brokers, topic, partitions)?;
+    let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
+    let watch = FenceWatch::new(&env.redis, &prefix, &group, topic, partitions)?;
+    let before = Usage::take(&mut conn, &env.broker_pid)?;
+    let log_path = env.dir.join(format!("{name}-tally.log"));
+    let mut tally = TallyRun::start(env, topic, &group, &prefix, &log_path, watch)?;
+    let times = tally
+        .until_caught_up(&marks, Some(&log_path))
+        .map_err(|error| error.context(format!("see {}", log_path.display())))?;
+    let after = Usage::take(&mut conn, &env.broker_pid)?;
+    let mut measured = tally.backlog_figures(&before, &after, total, times);
+    let rate = latency
+        .rate
+        .unwrap_or((measured.rate() * latency.load) as u64)
+        .max(1);
+    let phase = latency_phase(env, topic, &prefix, shape, rate, latency.secs, truth);
+    let figures = tally.or_stop(phase)?;
+    measured.latency = Some(figures);
+    let marks = settled_watermarks(&env.brokers, topic, partitions, total + figures.events)?;
+    tally.until_caught_up(&marks, None)?;
+    measured.rss_kib = peak_rss_kib(&tally.pid).or(measured.rss_kib);
+    measured.checked = Some(check_sample(&env.redis, &prefix, truth)?);
+    terminate(&mut tally.child);
+    Ok(measured)
+}
+
+/// What Redis and the broker have used so far.
+struct Usage {
+    redis: RedisSnapshot,
+    broker_cpu: Option<f64>,
+}
+
+impl Usage {
+    /// Redis's figures, then the broker's CPU seconds.
+    fn take(conn: &mut redis::Connection, broker_pid: &str) -> Result<Self> {
+        Ok(Self {
+            redis: RedisSnapshot::take(conn)?,
+            broker_cpu: cpu_secs(broker_pid),
+        })
+    }
+}
+
+/// The measured `tally run` child and the watch on its fences.
+struct TallyRun {
+    child: Child,
+    /// The child's process id, as `/proc` names it.
+    pid: String,
+    watch: FenceWatch,
+}
+
+impl TallyRun {
+    /// Starts `tally run` on `topic` with the benchmark's settings, logging to `log_path`.
+    fn start(
+        env: &Env,
+        topic: &str,
+        group: &str,
+        prefix: &str,
+        log_path: &Path,
+        watch: FenceWatch,
+    ) -> Result<Self> {
+        let log = File::create(log_path)?;
+        let child = self_command()?
+            .arg("run")
+            .args([
+                "--brokers",
+                &env.brokers,
+                "--topic",
+                topic,
+                "--group",
+                group,
+            ])
+            .args(["--redis", &env.redis, "--prefix", prefix])
+            .args(&env.kafka_args)
+            .args(&env.tally_args)
+            .env("TALLY_LOG", "info,rdkafka=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting tally run")?;
+        let pid = child.id().to_string();
+        Ok(Self { child, pid, watch })
+    }
+
+    /// [`FenceWatch::until_caught_up`] on this child, stopping it on failure.
+    fn until_caught_up(
+        &mut self,
+        marks: &[(i64, i64)],
+        log: Option<&Path>,
+    ) -> Result<(Instant, u64, Instant)> {
+        let caught_up = self.watch.until_caught_up(marks, &mut self.child, log);
+        self.or_stop(caught_up)
+    }
+
+    /// `result`, stopping the child first if it failed: a [`Child`] dropped
+    /// on the way out would keep running.
+    fn or_stop<T>(&mut self, result: Result<T>) -> Result<T> {
+        if result.is_err() {
+            terminate(&mut self.child);
+        }
+        result
+    }
+
+    /// The backlog's figures: the events applied from the start of consuming
+    /// (`times`, as [`FenceWatch::until_caught_up`] returns them) to the
+    /// last, and what Redis, the broker and the child used meanwhile, less
+    /// the watch's own `MGET`s.
+    fn backlog_figures(
+        &self,
+        before: &Usage,
+        after: &Usage,
+        total: u64,
+        (t0, a0, t1): (Instant, u64, Instant),
+    ) -> Measured {
+        let mut calls = after.redis.delta(&before.redis);
+        for (command, n) in &mut calls {
+            if command == "mget" {
+                *n = n.saturating_sub(self.watch.sent);
+            }
+        }
+        Measured {
+            events: total - a0,
+            secs: (t1 - t0).as_secs_f64(),
+            complete: true,
+            redis: Some((calls, after.redis.cpu_secs - before.redis.cpu_secs)),
+            rss_kib: peak_rss_kib(&self.pid),
+            consumer_cpu: cpu_secs(&self.pid).map(|cpu| (cpu, total)),
+            broker_cpu: before.broker_cpu.zip(after.broker_cpu).map(|(b, a)| a - b),
+            latency: None,
+            checked: None,
+        }
+    }
+}
+
+/// How the latency phase runs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LatencyPlan {
+    /// Events/s; `None`: `load` times tally's measured rate.
+    pub rate: Option<u64>,
+    /// Fraction of tally's measured rate, when `rate` is `None`.
+    pub load: f64,
+    /// Length of the phase.
+    pub secs: u64,
+}
+
+/// The buckets per post the measured `tally run` writes: its `--buckets` argument, if given.
+fn buckets(env: &Env) -> u32 {
+    let mut args = env.tally_args.iter();
+    while let Some(arg) = args.next() {
+        let value = match arg.strip_prefix("--buckets") {
+            Some("") => args.next().map(String::as_str),
+            Some(rest) => rest.strip_prefix('='),
+            None => None,
+        };
+        if let Some(n) = value.and_then(|v| v.parse().ok()) {
+            return n;
+        }
+    }
+    DEFAULT_BUCKETS
+}
+
+/// The topic's watermarks once they hold `messages` messages, every one the
+/// broker acknowledged: catching up to marks read too early would check counts
+/// before the last events are applied.
+fn settled_watermarks(
+    brokers: &str,
+    topic: &str,
+    partitions: u32,
+    messages: u64,
+) -> Result<Vec<(i64, i64)>> {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    let mut behind = false;
+    loop {
+        let marks = watermarks(brokers, topic, partitions)?;
+        let held: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
+        if held >= messages {
+            if behind {
+                eprintln!(
+                    "{topic}: the watermarks reached the {messages} acknowledged messages after {} ms",
+                    started.elapsed().as_millis()
+                );
+            }
+            return Ok(marks);
+        }
+        if !behind {
+            behind = true;
+            eprintln!(
+                "{topic}: the watermarks hold {held} messages, {messages} were acknowledged; waiting"
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("{topic} holds {held} messages by its watermarks; {messages} were acknowledged");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Produce-acknowledged-to-visible latency of the marker post.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Latency {
+    /// Median, milliseconds.
+    pub p50_ms: f64,
+    /// 99th percentile, milliseconds.
+    pub p99_ms: f64,
+    /// The rate asked of the producer.
+    pub target_rate: u64,
+    /// The rate the broker acknowledged.
+    pub reached_rate: u64,
+    /// Marker likes timed.
+    pub samples: usize,
+    /// Events the broker acknowledged during the phase.
+    pub events: u64,
+}
+
+/// Marker post of the latency phase, far from generated ids.
+pub(super) const MARKER_POST: u64 = 1 << 40;
+/// Marker likes per second: enough samples for a p99 in a short phase.
+const MARKERS_PER_SEC: u64 = 50;
+
+/// Produces at `rate` for `secs` with a marker post, and returns the marker's
+/// produce-acknowledged-to-visible latency.
+fn latency_phase(
+    env: &Env,
+    topic: &str,
+    prefix: &str,
+    shape: &TrafficShape,
+    rate: u64,
+    secs: u64,
+    truth: &mut FxHashMap<u64, i64>,
+) -> Result<Latency> {
+    let marker = Marker {
+        post_id: MARKER_POST,
+        user_id: 1,
+        every: (rate / MARKERS_PER_SEC).max(1),
+    };
+    let key =
+        KeyLayout::new(prefix).counter_key(MARKER_POST, bucket_of(marker.user_id, buckets(env)));
+    let (stop, want) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(u64::MAX)),
+    );
+    let watcher = {
+        let (url, stop, want) = (env.redis.clone(), stop.clone(), want.clone());
+        std::thread::spawn(move || watch_marker(&url, key, stop, want))
+    };
+    let plan = Plan {
+        shape: shape.clone(),
+        seed: 7,
+        events: None,
+        duration: Some(Duration::from_secs(secs)),
+        rate: Some(rate),
+        marker: Some(marker),
+    };
+    let bar = progress_bar(Some(rate * secs), "latency phase");
+    let produced = send(
+        &env.brokers,
+        topic,
+        &env.producer_config,
+        &plan,
+        &AtomicBool::new(false),
+        &bar,
+    );
+    if let Ok(summary) = &produced {
+        want.store(summary.marker_acks.len() as u64, Ordering::Relaxed);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (visible, _gets) = watcher
+        .join()
+        .map_err(|_| anyhow::anyhow!("marker watcher panicked"))??;
+    let summary: Summary = produced?;
+    for (post, delta) in &summary.truth {
+        *truth.entry(*post).or_insert(0) += delta;
+    }
+    let mut ms: Vec<f64> = summary
+        .marker_acks
+        .iter()
+        .zip(&visible)
+        .map(|(acked, seen)| seen.saturating_duration_since(*acked).as_secs_f64() * 1e3)
+        .collect();
+    if ms.len() < summary.marker_acks.len() {
+        bail!(
+            "only {} of {} marker likes became visible within 30 s of the end",
+            ms.len(),
+            summary.marker_acks.len()
+        );
+    }
+    ms.sort_by(f64::total_cmp);
+    let reached = (summary.acked as f64 / summary.elapsed.as_secs_f64().max(1e-9)) as u64;
+    Ok(Latency {
+        p50_ms: percentile(&ms, 0.5),
+        p99_ms: percentile(&ms, 0.99),
+        target_rate: rate,
+        reached_rate: reached,
+        samples: ms.len(),
+        events: summary.acked,
+    })
+}

@@ -1,0 +1,351 @@
+//! Generation: which set of keys is the live one.
+//!
+//! Every key tally writes lives under a *generation prefix*. Generation 0 is
+//! the base prefix itself (`<prefix>`), so a deployment that never rebuilt
+//! keeps the key names of docs/contract.md. Generation `k >= 1` is `<prefix>:g<k>`,
+//! for everything: counters, fences, origins, route hashes, the registry and
+//! the heat counters. Three small keys sit beside the generations:
+//!
+//! * the **pointer** `<prefix>:generation`, a hash `{current, switched_at_ms}`;
+//!   absent (or `current` 0) means generation 0;
+//! * the **freeze flag** `<prefix>:freeze`, holding the generation about to
+//!   become current, with a TTL of a few seconds;
+//! * the **rebuild record** `<prefix>:rebuild`, a hash naming the unfinished
+//!   generation a rebuild is filling (`generation`, `started_at_ms`, `copied`).
+//!
+//! Invariant: the pointer only moves forward, and it names a generation whose
+//! fences are at or past every fence of the generation it replaces (the
+//! rebuild checks that under the freeze, see [`crate::ops::rebuild`]). Writers and
+//! readers resolve the pointer before touching counters, and nothing keyed by
+//! a generation ever names another one, so a generation's keys can be dropped
+//! as a whole ([`crate::ops::gc`]).
+
+use std::time::Duration;
+
+use redis::RedisError;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::domain::routing::KeyLayout;
+use crate::domain::versions::wall_ms;
+use crate::infra::store::Shared;
+
+/// How long a freeze lasts unless the rebuild renews it.
+pub const FREEZE_TTL: Duration = Duration::from_secs(3);
+/// How often a frozen writer looks at the pointer again.
+pub const FROZEN_POLL: Duration = Duration::from_millis(50);
+
+/// The key prefix of generation `k` under the base prefix.
+pub fn prefix_of(base: &str, k: u64) -> String {
+    if k == 0 {
+        base.to_string()
+    } else {
+        format!("{base}:g{k}")
+    }
+}
+
+/// The pointer key.
+pub fn pointer_key(base: &str) -> String {
+    format!("{base}:generation")
+}
+
+/// The freeze flag.
+pub fn freeze_key(base: &str) -> String {
+    format!("{base}:freeze")
+}
+
+/// The rebuild record.
+pub fn record_key(base: &str) -> String {
+    format!("{base}:rebuild")
+}
+
+/// The generation a key belongs to, or `None` for the pointer, the flag, the
+/// record and anything tally does not write. Generation 0 owns exactly
+/// `<base>:likes:*`, `:fence:*`, `:origin:*`, `:route:*`, `:heat:*` and
+/// `<base>:routes`; generation `k` owns `<base>:g<k>:*`.
+pub fn generation_of(base: &str, key: &str) -> Option<u64> {
+    let rest = key.strip_prefix(base)?.strip_prefix(':')?;
+    if let Some(tail) = rest.strip_prefix('g')
+        && let Some((digits, _)) = tail.split_once(':')
+        && !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+    {
+        return digits.parse().ok().filter(|&k| k > 0);
+    }
+    let gen0 = ["likes:", "fence:", "origin:", "route:", "heat:"]
+        .iter()
+        .any(|head| rest.starts_with(head))
+        || rest == "routes";
+    gen0.then_some(0)
+}
+
+/// The pointer: the current generation and when it became current.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pointer {
+    /// The current generation.
+    pub current: u64,
+    /// When the pointer last moved (milliseconds since the epoch; 0 if never).
+    pub switched_at_ms: i64,
+}
+
+/// What a writer needs to know each refresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State {
+    /// The current generation.
+    pub current: u64,
+    /// A rebuild is about to make this generation current: hold new batches.
+    pub frozen_for: Option<u64>,
+}
+
+/// Reads the pointer.
+pub async fn read_pointer(store: &Shared, base: &str) -> Result<Pointer, RedisError> {
+    let key = pointer_key(base);
+    let (current, at): (Option<u64>, Option<i64>) = store
+        .call(|mut s| async move {
+            redis::cmd("HMGET")
+                .arg(&key)
+                .arg("current")
+                .arg("switched_at_ms")
+                .query_async(&mut s)
+                .await
+        })
+        .await?;
+    Ok(Pointer {
+        current: current.unwrap_or(0),
+        switched_at_ms: at.unwrap_or(0),
+    })
+}
+
+/// Reads the pointer synchronously (for the blocking commands).
+pub fn read_pointer_blocking(
+    conn: &mut dyn redis::ConnectionLike,
+    base: &str,
+) -> Result<u64, RedisError> {
+    let current: Option<u64> = redis::cmd("HGET")
+        .arg(pointer_key(base))
+        .arg("current")
+        .query(conn)?;
+    Ok(current.unwrap_or(0))
+}
+
+/// Reads the pointer and the freeze flag.
+pub async fn read_state(store: &Shared, base: &str) -> Result<State, RedisError> {
+    let pointer = read_pointer(store, base).await?;
+    let key = freeze_key(base);
+    let frozen: Option<u64> = store
+        .call(|mut s| async move { redis::cmd("GET").arg(&key).query_async(&mut s).await })
+        .await?;
+    Ok(State {
+        current: pointer.current,
+        frozen_for: frozen.filter(|&k| k > pointer.current),
+    })
+}
+
+/// The layout of the current generation, from a base layout.
+pub async fn current_layout(store: &Shared, base: &KeyLayout) -> Result<KeyLayout, RedisError> {
+    let pointer = read_pointer(store, base.prefix()).await?;
+    Ok(base.with_prefix(prefix_of(base.prefix(), pointer.current)))
+}
+
+/// Sets (or renews) the freeze flag for generation `k`.
+pub async fn freeze(store: &Shared, base: &str, k: u64) -> Result<(), RedisError> {
+    let key = freeze_key(base);
+    store
+        .call(|mut s| async move {
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(k)
+                .arg("PX")
+                .arg(FREEZE_TTL.as_millis() as u64)
+                .query_async::<()>(&mut s)
+                .await
+        })
+        .await
+}
+
+/// Removes the freeze flag.
+pub async fn unfreeze(store: &Shared, base: &str) -> Result<(), RedisError> {
+    let key = freeze_key(base);
+    store
+        .call(|mut s| async move { redis::cmd("DEL").arg(&key).query_async::<()>(&mut s).await })
+        .await
+}
+
+/// Makes generation `k` current, then lifts the freeze and drops the rebuild
+/// record. The pointer moves first: a crash after it leaves a record and a
+/// flag that name a generation no longer above the pointer, which readers of
+/// [`read_state`] and [`read_record`] ignore.
+pub async fn switch(store: &Shared, base: &str, k: u64) -> Result<(), RedisError> {
+    let pointer = pointer_key(base);
+    let now = wall_ms();
+    store
+        .call(|mut s| async move {
+            redis::cmd("HSET")
+                .arg(&pointer)
+                .arg("current")
+                .arg(k)
+                .arg("switched_at_ms")
+                .arg(now)
+                .query_async::<()>(&mut s)
+                .await
+        })
+        .await?;
+    unfreeze(store, base).await?;
+    drop_record(store, base).await
+}
+
+/// An unfinished rebuild.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    /// The generation being filled.
+    pub generation: u64,
+    /// When it started (milliseconds since the epoch).
+    pub started_at_ms: i64,
+    /// Whether the routing registry was copied into it.
+    pub copied: bool,
+}
+
+/// Reads the rebuild record; a record at or below the pointer is stale (its
+/// switch finished) and reads as `None`.
+pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, RedisError> {
+    let key = record_key(base);
+    let (generation, started, copied): (Option<u64>, Option<i64>, Option<u8>) = store
+        .call(|mut s| async move {
+            redis::cmd("HMGET")
+                .arg(&key)
+                .arg("generation")
+                .arg("started_at_ms")
+                .arg("copied")
+                .query_async(&mut s)
+                .await
+        })
+        .await?;
+    let current = read_pointer(store, base).await?.current;
+    Ok(generation
+        .filter(|&k| k > current)
+        .map(|generation| Record {
+            generation,
+            started_at_ms: started.unwrap_or(0),
+            copied: copied == Some(1),
+        }))
+}
+
+/// Writes the rebuild record.
+pub async fn write_record(store: &Shared, base: &str, record: Record) -> Result<(), RedisError> {
+    let key = record_key(base);
+    store
+        .call(|mut s| async move {
+            redis::cmd("HSET")
+                .arg(&key)
+                .arg("generation")
+                .arg(record.generation)
+                .arg("started_at_ms")
+                .arg(record.started_at_ms)
+                .arg("copied")
+                .arg(u8::from(record.copied))
+                .query_async::<()>(&mut s)
+                .await
+        })
+        .await
+}
+
+/// Drops the rebuild record.
+pub async fn drop_record(store: &Shared, base: &str) -> Result<(), RedisError> {
+    let key = record_key(base);
+    store
+        .call(|mut s| async move { redis::cmd("DEL").arg(&key).query_async::<()>(&mut s).await })
+        .await
+}
+
+/// A writer's view of the pointer and the freeze flag, kept fresh by a
+/// background task: every `every`, and every [`FROZEN_POLL`] while frozen,
+/// so a frozen writer sees the switch within a few tens of milliseconds.
+#[derive(Clone)]
+pub struct GenerationWatch {
+    state: watch::Receiver<State>,
+}
+
+impl GenerationWatch {
+    /// Reads once, then keeps reading until `shutdown`.
+    pub async fn start(
+        store: Shared,
+        base: String,
+        every: Duration,
+        shutdown: CancellationToken,
+    ) -> Result<Self, RedisError> {
+        let first = read_state(&store, &base).await?;
+        let (send, state) = watch::channel(first);
+        tokio::spawn(async move {
+            let mut last = first;
+            loop {
+                let pause = if last.frozen_for.is_some() {
+                    FROZEN_POLL
+                } else {
+                    every
+                };
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                match read_state(&store, &base).await {
+                    Ok(state) => {
+                        last = state;
+                        if send.send(state).is_err() {
+                            return;
+                        }
+                    }
+                    Err(error) => {
+                        // Unreadable: hold nothing back; the pointer is read again soon.
+                        last.frozen_for = None;
+                        let _ = send.send(last);
+                        warn!(%error, "Reading the generation pointer failed; retrying.");
+                    }
+                }
+            }
+        });
+        Ok(Self { state })
+    }
+
+    /// The newest state read.
+    pub fn current(&self) -> State {
+        *self.state.borrow()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_zero_keeps_the_base_names() {
+        assert_eq!(prefix_of("tally", 0), "tally");
+        assert_eq!(prefix_of("tally", 3), "tally:g3");
+        for key in [
+            "tally:likes:1:2",
+            "tally:fence:g:likes:0",
+            "tally:origin:g:likes:0",
+            "tally:route:9",
+            "tally:routes",
+            "tally:heat:17",
+        ] {
+            assert_eq!(generation_of("tally", key), Some(0), "{key}");
+        }
+        assert_eq!(generation_of("tally", "tally:g1:likes:1:2"), Some(1));
+        assert_eq!(generation_of("tally", "tally:g12:routes"), Some(12));
+        for other in [
+            "tally:generation",
+            "tally:freeze",
+            "tally:rebuild",
+            "tally:g:likes:1",
+            "tally:gx1:likes:1",
+            "tallyx:likes:1:2",
+            "other:likes:1:2",
+            "tally:g0:likes:1:2",
+        ] {
+            assert_eq!(generation_of("tally", other), None, "{other}");
+        }
+        // Generation 1's keys never match generation 10's prefix, nor the reverse.
+        assert_eq!(generation_of("tally", "tally:g10:likes:1:2"), Some(10));
+    }
+}

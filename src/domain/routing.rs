@@ -1,0 +1,320 @@
+//! Routing: which Redis key a like lands in.
+//!
+//! Invariant: the mapping `user_id -> bucket` is a pure function of the user id
+//! and the bucket count, fixed forever. A user's like and later unlike of a post
+//! therefore hit the same bucket, so every bucket stays a meaningful partial sum.
+//!
+//! The stable hash is **XXH64 with seed 0 over the user id encoded as 8
+//! little-endian bytes**; `bucket = hash % buckets`. It is part of the public
+//! contract: the test vectors below are published in docs/design.md and must never
+//! change. A new scheme would need a new key version, never a silent swap.
+
+use std::fmt::Write as _;
+
+use xxhash_rust::xxh64::xxh64;
+
+use crate::domain::slots::SlotGroups;
+
+/// Seed of the stable hash. Part of the public contract.
+pub const STABLE_HASH_SEED: u64 = 0;
+
+/// The stable hash of a user id: XXH64(seed 0) of its 8 little-endian bytes.
+pub fn stable_hash(user_id: u64) -> u64 {
+    xxh64(&user_id.to_le_bytes(), STABLE_HASH_SEED)
+}
+
+/// The bucket a user's likes of any post land in, for a post split `buckets` ways.
+///
+/// `buckets` must be at least 1 (validated at start-up).
+pub fn bucket_of(user_id: u64, buckets: u32) -> u32 {
+    debug_assert!(buckets > 0);
+    (stable_hash(user_id) % u64::from(buckets)) as u32
+}
+
+/// The user ids whose hashes docs/design.md publishes.
+pub const PUBLISHED_USERS: [u64; 10] = [
+    0,
+    1,
+    2,
+    42,
+    101,
+    1000,
+    123_456_789,
+    1 << 32,
+    1 << 63,
+    u64::MAX,
+];
+
+/// One counter: a bucket of one routing version of a post.
+///
+/// Version 0 is the default layout every post starts with; versions 1 and up
+/// are created by promotion and demotion (see [`crate::domain::versions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CounterId {
+    /// The post.
+    pub post_id: u64,
+    /// The routing version whose buckets the like went to.
+    pub version: u32,
+    /// The bucket of that version the user hashes to.
+    pub bucket: u32,
+}
+
+impl CounterId {
+    /// A bucket of the default layout (version 0).
+    pub fn v0(post_id: u64, bucket: u32) -> Self {
+        Self {
+            post_id,
+            version: 0,
+            bucket,
+        }
+    }
+}
+
+/// Names every Redis key tally writes, under one prefix.
+///
+/// Counter keys are `<prefix>:likes:<post_id>:<bucket>` for version 0 and
+/// `<prefix>:likes:<post_id>:v<version>:b<bucket>` for later versions,
+/// followed on a cluster by `:{<tag>}`, the computed hash tag of the key's
+/// slot group (see [`crate::domain::slots`]). The sum of all keys matching
+/// `<prefix>:likes:<post_id>:*` (plus the optional base of the post's routing
+/// metadata) is the post's count, and nothing else ever matches that pattern.
+/// Fences live under `<prefix>:fence:`, origins under `<prefix>:origin:`,
+/// routing metadata under `<prefix>:route:`.
+#[derive(Debug, Clone)]
+pub struct KeyLayout {
+    prefix: String,
+    groups: SlotGroups,
+}
+
+impl KeyLayout {
+    /// The single-server layout rooted at `prefix` (for example `tally`).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self::with_groups(prefix, SlotGroups::single())
+    }
+
+    /// A layout with the given slot groups.
+    pub fn with_groups(prefix: impl Into<String>, groups: SlotGroups) -> Self {
+        Self {
+            prefix: prefix.into(),
+            groups,
+        }
+    }
+
+    /// The same layout under another prefix (a key generation, see
+    /// [`crate::domain::generation`]).
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Self {
+        Self::with_groups(prefix, self.groups.clone())
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The slot groups keys are spread over.
+    pub fn groups(&self) -> &SlotGroups {
+        &self.groups
+    }
+
+    fn write_tag(&self, out: &mut String, group: u32) {
+        if let Some(tag) = self.groups.tag(group) {
+            let _ = write!(out, ":{{{tag}}}");
+        }
+    }
+
+    /// Writes the key of a counter into `out`, replacing its contents.
+    ///
+    /// Lets the hot path reuse one buffer instead of allocating a key per entry.
+    pub fn write_counter_key(&self, out: &mut String, id: CounterId) {
+        out.clear();
+        // Writing to a String cannot fail.
+        if id.version == 0 {
+            let _ = write!(out, "{}:likes:{}:{}", self.prefix, id.post_id, id.bucket);
+        } else {
+            let _ = write!(
+                out,
+                "{}:likes:{}:v{}:b{}",
+                self.prefix, id.post_id, id.version, id.bucket
+            );
+        }
+        self.write_tag(out, self.groups.group_of(id.post_id, id.bucket));
+    }
+
+    /// The key of a counter.
+    pub fn key_of(&self, id: CounterId) -> String {
+        let mut key = String::new();
+        self.write_counter_key(&mut key, id);
+        key
+    }
+
+    /// The key of a version-0 counter (post, bucket).
+    pub fn counter_key(&self, post_id: u64, bucket: u32) -> String {
+        self.key_of(CounterId::v0(post_id, bucket))
+    }
+
+    /// The routing metadata of a post: a hash read by readers (see
+    /// [`crate::domain::versions`]). Deliberately outside `<prefix>:likes:`.
+    /// On a cluster it shares the slot of the post's bucket 0, so a reader's
+    /// commands fall into as many slots as there are slot groups.
+    pub fn route_key(&self, post_id: u64) -> String {
+        let mut key = format!("{}:route:{}", self.prefix, post_id);
+        self.write_tag(&mut key, self.groups.group_of(post_id, 0));
+        key
+    }
+
+    /// The registry of every post with routing metadata, read by writers.
+    pub fn registry_key(&self) -> String {
+        format!("{}:routes", self.prefix)
+    }
+
+    /// The shared per-second activity counters hot-post detection sums across
+    /// consumers.
+    /// Every second's hash shares one slot (tag `{heat}`), so a consumer adds
+    /// to one second and reads the one before in a single pipeline.
+    pub fn heat_key(&self, window: u64) -> String {
+        format!("{}:heat:{{heat}}:{}", self.prefix, window)
+    }
+
+    /// The glob pattern matching every bucket of a post.
+    pub fn post_pattern(&self, post_id: u64) -> String {
+        format!("{}:likes:{}:*", self.prefix, post_id)
+    }
+
+    /// The fence key of one (consumer group, topic, partition, slot group): it
+    /// holds the last applied Kafka offset as a decimal integer.
+    pub fn fence_key(&self, group: &str, topic: &str, partition: i32, slot_group: u32) -> String {
+        let mut key = format!("{}:fence:{}:{}:{}", self.prefix, group, topic, partition);
+        self.write_tag(&mut key, slot_group);
+        key
+    }
+
+    /// The origin key of one (consumer group, topic, partition): the first
+    /// offset tally counted for it. Lives in slot group 0.
+    pub fn origin_key(&self, group: &str, topic: &str, partition: i32) -> String {
+        let mut key = format!("{}:origin:{}:{}:{}", self.prefix, group, topic, partition);
+        self.write_tag(&mut key, 0);
+        key
+    }
+
+    /// Parses a counter key back into its counter; `None` for any other key.
+    pub fn parse_counter_key(&self, key: &str) -> Option<CounterId> {
+        let rest = key
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(":likes:")?;
+        let mut parts = rest.split(':');
+        let post_id = parts.next()?.parse().ok()?;
+        let first = parts.next()?;
+        let (version, bucket) = match first.strip_prefix('v') {
+            Some(version) => {
+                let version = version.parse().ok().filter(|&v| v > 0)?;
+                let bucket = parts.next()?.strip_prefix('b')?.parse().ok()?;
+                (version, bucket)
+            }
+            None => (0, first.parse().ok()?),
+        };
+        let tag_ok = match (parts.next(), parts.next()) {
+            (None, _) => true,
+            (Some(tag), None) => tag.len() > 2 && tag.starts_with('{') && tag.ends_with('}'),
+            _ => false,
+        };
+        tag_ok.then_some(CounterId {
+            post_id,
+            version,
+            bucket,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Published test vectors: (user_id, XXH64 seed 0 of its LE bytes, bucket of 16, bucket of 1024).
+    /// Cross-checked against the reference implementation (Python `xxhash.xxh64_intdigest`).
+    pub(crate) const VECTORS: &[(u64, u64, u32, u32)] = &[
+        (0, 0x34c9_6acd_cadb_1bbb, 11, 955),
+        (1, 0x9f29_cb17_a2a4_9995, 5, 405),
+        (2, 0xeac7_3e40_44e8_2db0, 0, 432),
+        (42, 0xb556_806f_b6d1_4353, 3, 851),
+        (101, 0x7dce_3177_b95c_194c, 12, 332),
+        (1000, 0xe53f_2d22_876c_9a49, 9, 585),
+        (123_456_789, 0xcb7c_2941_b198_004d, 13, 77),
+        (4_294_967_296, 0xca60_84df_268e_a2a9, 9, 681),
+        (9_223_372_036_854_775_808, 0x3f42_5eac_f015_44e0, 0, 224),
+        (u64::MAX, 0x85d1_36ad_b773_c6c9, 9, 713),
+    ];
+
+    #[test]
+    fn hash_matches_published_vectors() {
+        for &(user, hash, b16, b1024) in VECTORS {
+            assert_eq!(stable_hash(user), hash, "user {user}");
+            assert_eq!(bucket_of(user, 16), b16, "user {user}");
+            assert_eq!(bucket_of(user, 1024), b1024, "user {user}");
+        }
+    }
+
+    #[test]
+    fn key_layout_is_the_documented_one() {
+        let keys = KeyLayout::new("tally");
+        assert_eq!(keys.counter_key(101, 3), "tally:likes:101:3");
+        assert_eq!(keys.post_pattern(101), "tally:likes:101:*");
+        assert_eq!(keys.fence_key("g", "likes", 7, 0), "tally:fence:g:likes:7");
+        assert_eq!(keys.origin_key("g", "likes", 7), "tally:origin:g:likes:7");
+        let cluster = KeyLayout::with_groups("tally", SlotGroups::cluster(16));
+        let key = cluster.counter_key(101, 3);
+        assert!(key.starts_with("tally:likes:101:3:{"), "{key}");
+        assert_eq!(cluster.parse_counter_key(&key), Some(CounterId::v0(101, 3)));
+        let slot = crate::domain::slots::key_slot(key.as_bytes());
+        let group = cluster.groups().group_of(101, 3);
+        let fence = cluster.fence_key("g", "likes", 7, group);
+        assert_eq!(crate::domain::slots::key_slot(fence.as_bytes()), slot);
+        assert_eq!(
+            keys.parse_counter_key("tally:likes:101:3"),
+            Some(CounterId::v0(101, 3))
+        );
+        let hot = CounterId {
+            post_id: 101,
+            version: 3,
+            bucket: 17,
+        };
+        assert_eq!(keys.key_of(hot), "tally:likes:101:v3:b17");
+        assert_eq!(keys.parse_counter_key("tally:likes:101:v3:b17"), Some(hot));
+        let tagged = cluster.key_of(hot);
+        assert!(tagged.starts_with("tally:likes:101:v3:b17:{"), "{tagged}");
+        assert_eq!(cluster.parse_counter_key(&tagged), Some(hot));
+        assert_eq!(keys.parse_counter_key("tally:likes:101:v0:b1"), None);
+        assert_eq!(keys.parse_counter_key("tally:route:101"), None);
+        assert_eq!(keys.parse_counter_key("tally:fence:g:likes:7"), None);
+        assert_eq!(keys.parse_counter_key("other:likes:1:2"), None);
+    }
+
+    proptest! {
+        #[test]
+        fn buckets_stay_in_range_and_are_deterministic(user: u64, buckets in 1u32..100_000) {
+            let b = bucket_of(user, buckets);
+            prop_assert!(b < buckets);
+            prop_assert_eq!(b, bucket_of(user, buckets));
+        }
+
+        #[test]
+        fn counter_keys_round_trip(post_id: u64, version in 0u32..1000, bucket: u32, cluster: bool) {
+            let keys = if cluster {
+                KeyLayout::with_groups("p:x", SlotGroups::cluster(64))
+            } else {
+                KeyLayout::new("p:x")
+            };
+            let id = CounterId { post_id, version, bucket };
+            prop_assert_eq!(keys.parse_counter_key(&keys.key_of(id)), Some(id));
+            let head = format!("p:x:likes:{post_id}:");
+            prop_assert!(keys.key_of(id).starts_with(&head));
+        }
+
+        #[test]
+        fn fences_never_match_the_read_pattern(group in "[a-z:]{1,8}", topic in "[a-z]{1,8}", partition in 0i32..1000) {
+            let keys = KeyLayout::new("tally");
+            prop_assert_eq!(keys.parse_counter_key(&keys.fence_key(&group, &topic, partition, 0)), None);
+            prop_assert_eq!(keys.parse_counter_key(&keys.origin_key(&group, &topic, partition)), None);
+        }
+    }
+}

@@ -1,0 +1,738 @@
+//! Config: the settings of the service as typed values, and their checks.
+//!
+//! Invariant: settings are checked when they are built, and every problem is
+//! reported at once, one [`ConfigError`] per problem naming the setting to
+//! fix, never discovered mid-stream. A setting has one name: the flag
+//! (`--slot-groups`), its `TALLY_*` variable and its key in a settings file
+//! are all derived from it.
+//!
+//! [`StoreSettings`] says where the counts are and is shared by every command
+//! that touches Redis; [`RunSettings`] embeds it with everything else `tally
+//! run` needs. The Redis URL is parsed once, here, into a target and a
+//! redacted display form ([`RedisUrl`]), and secrets are read once, here,
+//! from their values or files.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+
+use crate::infra::security::{
+    SaslMechanism, SecurityProtocol, check_kafka_support, read_secret_file, url_has_password,
+    with_password,
+};
+use crate::infra::store::RedisUrl;
+
+/// Default Kafka bootstrap servers.
+pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
+/// Default topic of like events.
+pub const DEFAULT_TOPIC: &str = "likes";
+/// Default consumer group.
+pub const DEFAULT_GROUP: &str = "tally";
+/// Default Redis URL.
+pub const DEFAULT_REDIS: &str = "redis://127.0.0.1:6379/";
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "tally";
+/// Default number of slot groups on a cluster.
+pub const DEFAULT_SLOT_GROUPS: u32 = 128;
+/// Default number of buckets per post.
+pub const DEFAULT_BUCKETS: u32 = 16;
+/// Default events per second across all consumers above which a post is promoted.
+pub const DEFAULT_PROMOTE_ABOVE: u64 = 300;
+/// Default buckets of a promoted post.
+pub const DEFAULT_HOT_BUCKETS: u32 = 64;
+/// Default interval between reads of the routing registry (milliseconds).
+pub const DEFAULT_ROUTE_REFRESH_MS: u64 = 1_000;
+/// Default age at which a partition's batch closes (milliseconds).
+pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
+/// Default messages after which a partition's batch closes.
+pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 100_000;
+/// Default distinct (post, bucket) counters after which a partition's batch closes.
+pub const DEFAULT_BATCH_MAX_KEYS: usize = 10_000;
+/// Default scripts in flight to Redis at once.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 8;
+/// Default wait for in-flight batches at shutdown (seconds).
+pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 10;
+
+/// librdkafka's own default `session.timeout.ms`.
+const KAFKA_SESSION_TIMEOUT_MS: u64 = 45_000;
+
+/// A problem with one setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag}: {problem}")]
+pub struct ConfigError {
+    /// The setting at fault, as its flag is spelt without `--`.
+    pub flag: &'static str,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+/// A [`ConfigError`] for `flag`.
+pub fn bad(flag: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+/// Where a password comes from: given as a value, or read from a file.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Password {
+    /// The password itself (from a flag or a variable).
+    Value(String),
+    /// A file holding it, read once when the settings are built.
+    File(PathBuf),
+}
+
+impl std::fmt::Debug for Password {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Password::Value(_) => f.write_str("Value(***)"),
+            Password::File(path) => f.debug_tuple("File").field(path).finish(),
+        }
+    }
+}
+
+impl Password {
+    /// The password of a value setting and a file setting, at most one of
+    /// which may be given.
+    pub fn from_sources(
+        value: Option<String>,
+        file: Option<PathBuf>,
+        file_flag: &'static str,
+    ) -> Result<Option<Password>, ConfigError> {
+        match (value, file) {
+            (Some(_), Some(_)) => Err(bad(file_flag, "give the password or its file, not both")),
+            (Some(value), None) => Ok(Some(Password::Value(value))),
+            (None, Some(path)) => Ok(Some(Password::File(path))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The password: the value, or the file's content without its trailing newline.
+    fn read(&self, file_flag: &'static str) -> Result<String, ConfigError> {
+        match self {
+            Password::Value(value) => Ok(value.clone()),
+            Password::File(path) => {
+                read_secret_file(path).map_err(|problem| bad(file_flag, problem.to_string()))
+            }
+        }
+    }
+}
+
+/// Where the counts are: the settings every command touching Redis shares.
+#[derive(Debug, Clone)]
+pub struct StoreSettings {
+    url: RedisUrl,
+    password: Option<Password>,
+    prefix: String,
+    slot_groups: u32,
+}
+
+impl StoreSettings {
+    /// Parses the URL (with the password, if given apart from it, joined to
+    /// it) and checks the prefix and the slot groups. `password` comes from
+    /// `--redis-password` or `--redis-password-file`.
+    pub fn new(
+        url: &str,
+        password: Option<Password>,
+        prefix: &str,
+        slot_groups: u32,
+    ) -> Result<StoreSettings, Vec<ConfigError>> {
+        let mut problems = Vec::new();
+        let parsed = match RedisUrl::parse(url) {
+            Err(error) => Err(bad("redis", error.to_string())),
+            Ok(parsed) => match &password {
+                None => Ok(parsed),
+                Some(_) if url_has_password(url) => Err(bad(
+                    "redis-password",
+                    "--redis already holds a password; give it in one place only",
+                )),
+                Some(password) => {
+                    let flag = match password {
+                        Password::Value(_) => "redis-password",
+                        Password::File(_) => "redis-password-file",
+                    };
+                    password.read(flag).and_then(|secret| {
+                        let joined = with_password(url, &secret).map_err(|p| bad(flag, p))?;
+                        RedisUrl::parse(&joined).map_err(|e| bad("redis", e.to_string()))
+                    })
+                }
+            },
+        };
+        let url = parsed.map_err(|problem| problems.push(problem)).ok();
+        if prefix.is_empty() || prefix.contains(|c: char| c.is_whitespace() || "*?[]{}".contains(c))
+        {
+            problems.push(bad(
+                "prefix",
+                "must be non-empty, without spaces, glob characters or braces",
+            ));
+        }
+        if !(slot_groups.is_power_of_two() && slot_groups <= 16_384) {
+            problems.push(bad(
+                "slot-groups",
+                "must be a power of two between 1 and 16384",
+            ));
+        }
+        match url {
+            Some(url) if problems.is_empty() => Ok(StoreSettings {
+                url,
+                password,
+                prefix: prefix.to_string(),
+                slot_groups,
+            }),
+            _ => Err(problems),
+        }
+    }
+
+    /// The URL, credentials included; show it with [`RedisUrl::shown`].
+    pub fn url(&self) -> &RedisUrl {
+        &self.url
+    }
+
+    /// Where the password came from, if it was given apart from the URL.
+    pub fn password(&self) -> Option<&Password> {
+        self.password.as_ref()
+    }
+
+    /// The base key prefix (generation 0's).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Slot groups on a cluster (a single server has one).
+    pub fn slot_groups(&self) -> u32 {
+        self.slot_groups
+    }
+}
+
+/// TLS and SASL towards the brokers, secrets read.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct KafkaSecurity {
+    /// `security.protocol`.
+    pub protocol: Option<SecurityProtocol>,
+    /// `sasl.mechanism`.
+    pub mechanism: Option<SaslMechanism>,
+    /// `sasl.username`.
+    pub username: Option<String>,
+    /// `sasl.password`.
+    password: Option<String>,
+    /// `ssl.ca.location`.
+    pub ca_location: Option<PathBuf>,
+    /// `ssl.certificate.location`.
+    pub certificate_location: Option<PathBuf>,
+    /// `ssl.key.location`.
+    pub key_location: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for KafkaSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSecurity")
+            .field("protocol", &self.protocol)
+            .field("mechanism", &self.mechanism)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("ca_location", &self.ca_location)
+            .field("certificate_location", &self.certificate_location)
+            .field("key_location", &self.key_location)
+            .finish()
+    }
+}
+
+/// What the Kafka security settings are built from.
+#[derive(Debug, Clone, Default)]
+pub struct KafkaSecurityInput {
+    /// `--kafka-security-protocol`.
+    pub protocol: Option<SecurityProtocol>,
+    /// `--kafka-sasl-mechanism`.
+    pub mechanism: Option<SaslMechanism>,
+    /// `--kafka-sasl-username`.
+    pub username: Option<String>,
+    /// `--kafka-sasl-password` or `--kafka-sasl-password-file`.
+    pub password: Option<Password>,
+    /// `--kafka-ssl-ca-location`.
+    pub ca_location: Option<PathBuf>,
+    /// `--kafka-ssl-certificate-location`.
+    pub certificate_location: Option<PathBuf>,
+    /// `--kafka-ssl-key-location`.
+    pub key_location: Option<PathBuf>,
+}
+
+impl KafkaSecurity {
+    /// Checks the combination and reads the password.
+    pub fn new(input: KafkaSecurityInput) -> Result<KafkaSecurity, Vec<ConfigError>> {
+        let protocol = input.protocol;
+        let password_flag = match input.password {
+            Some(Password::File(_)) => "kafka-sasl-password-file",
+            _ => "kafka-sasl-password",
+        };
+        let mut problems = sasl_problems(&input, password_flag);
+        problems.extend(tls_problems(&input));
+        if let Some(protocol) = protocol
+            && let Err(problem) = check_kafka_support(protocol, input.mechanism)
+        {
+            problems.push(bad("kafka-security-protocol", problem.to_string()));
+        }
+        let password = match &input.password {
+            Some(password) if problems.is_empty() => match password.read(password_flag) {
+                Ok(secret) => Some(secret),
+                Err(problem) => {
+                    problems.push(problem);
+                    None
+                }
+            },
+            _ => None,
+        };
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        Ok(KafkaSecurity {
+            protocol,
+            mechanism: input.mechanism,
+            username: input.username,
+            password,
+            ca_location: input.ca_location,
+            certificate_location: input.certificate_location,
+            key_location: input.key_location,
+        })
+    }
+
+    /// The librdkafka properties these settings set.
+    pub fn properties(&self) -> Vec<(String, String)> {
+        let path = |p: &PathBuf| p.display().to_string();
+        [
+            (
+                "security.protocol",
+                self.protocol.map(|p| p.as_str().to_string()),
+            ),
+            (
+                "sasl.mechanism",
+                self.mechanism.map(|m| m.as_str().to_string()),
+            ),
+            ("sasl.username", self.username.clone()),
+            ("sasl.password", self.password.clone()),
+            ("ssl.ca.location", self.ca_location.as_ref().map(path)),
+            (
+                "ssl.certificate.location",
+                self.certificate_location.as_ref().map(path),
+            ),
+            ("ssl.key.location", self.key_location.as_ref().map(path)),
+        ]
+        .into_iter()
+        .filter_map(|(key, value)| Some((key.to_string(), value?)))
+        .collect()
+    }
+}
+
+/// What is wrong with the SASL settings for the protocol asked for.
+fn sasl_problems(input: &KafkaSecurityInput, password_flag: &'static str) -> Vec<ConfigError> {
+    let mut problems = Vec::new();
+    let sasl = input.protocol.is_some_and(SecurityProtocol::uses_sasl);
+    if sasl {
+        if input.mechanism.is_none() {
+            problems.push(bad(
+                "kafka-sasl-mechanism",
+                "is required with a sasl_* protocol: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+            ));
+        }
+        if input.username.is_none() {
+            problems.push(bad(
+                "kafka-sasl-username",
+                "is required with a sasl_* protocol",
+            ));
+        }
+        if input.password.is_none() {
+            problems.push(bad(
+                "kafka-sasl-password",
+                "is required with a sasl_* protocol (TALLY_KAFKA_SASL_PASSWORD or --kafka-sasl-password-file)",
+            ));
+        }
+    } else {
+        for (set, flag) in [
+            (input.mechanism.is_some(), "kafka-sasl-mechanism"),
+            (input.username.is_some(), "kafka-sasl-username"),
+            (input.password.is_some(), password_flag),
+        ] {
+            if set {
+                problems.push(bad(
+                    flag,
+                    "needs --kafka-security-protocol sasl_ssl or sasl_plaintext",
+                ));
+            }
+        }
+    }
+    problems
+}
+
+/// What is wrong with the TLS files for the protocol asked for.
+fn tls_problems(input: &KafkaSecurityInput) -> Vec<ConfigError> {
+    let mut problems = Vec::new();
+    let tls = input.protocol.is_some_and(SecurityProtocol::uses_tls);
+    for (path, flag) in [
+        (&input.ca_location, "kafka-ssl-ca-location"),
+        (
+            &input.certificate_location,
+            "kafka-ssl-certificate-location",
+        ),
+        (&input.key_location, "kafka-ssl-key-location"),
+    ] {
+        let Some(path) = path else { continue };
+        if !tls {
+            problems.push(bad(flag, "needs --kafka-security-protocol ssl or sasl_ssl"));
+        } else if !path.is_file() {
+            problems.push(bad(flag, format!("{} is not a file", path.display())));
+        }
+    }
+    if input.certificate_location.is_some() != input.key_location.is_some() {
+        problems.push(bad(
+            "kafka-ssl-key-location",
+            "a client certificate and its key go together",
+        ));
+    }
+    problems
+}
+
+/// librdkafka settings tally owns; overriding them would break exactly-once.
+const RESERVED_KAFKA_KEYS: &[&str] = &[
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "group.id",
+    "bootstrap.servers",
+];
+
+/// librdkafka keys the security settings own; `-X` may set them only when the
+/// dedicated setting is unset.
+const SECURITY_KAFKA_KEYS: &[(&str, &str)] = &[
+    ("security.protocol", "kafka-security-protocol"),
+    ("sasl.mechanism", "kafka-sasl-mechanism"),
+    ("sasl.mechanisms", "kafka-sasl-mechanism"),
+    ("sasl.username", "kafka-sasl-username"),
+    ("sasl.password", "kafka-sasl-password"),
+    ("ssl.ca.location", "kafka-ssl-ca-location"),
+    ("ssl.certificate.location", "kafka-ssl-certificate-location"),
+    ("ssl.key.location", "kafka-ssl-key-location"),
+];
+
+/// Where the events come from.
+#[derive(Debug, Clone)]
+pub struct KafkaSettings {
+    /// Bootstrap servers, comma separated.
+    pub brokers: String,
+    /// Topic of like events.
+    pub topic: String,
+    /// Consumer group, and the name the fences are kept under.
+    pub group: String,
+    /// Topic that receives copies of malformed messages.
+    pub dead_letter_topic: Option<String>,
+    /// TLS and SASL.
+    pub security: KafkaSecurity,
+    /// Extra librdkafka settings (`-X key=value`), in the order given.
+    pub extra: Vec<(String, String)>,
+}
+
+impl KafkaSettings {
+    /// Every librdkafka property tally's clients get beyond the ones it owns:
+    /// the security settings, then the extra ones.
+    pub fn properties(&self) -> Vec<(String, String)> {
+        let mut properties = self.security.properties();
+        properties.extend(self.extra.iter().cloned());
+        properties
+    }
+
+    /// A client configuration with the brokers and [`Self::properties`].
+    pub fn client_config(&self) -> ClientConfig {
+        kafka_client_config(&self.brokers, &self.properties())
+    }
+
+    /// A client configuration with the brokers and the security settings
+    /// only (for clients the extra consumer settings do not suit).
+    pub fn secure_client_config(&self) -> ClientConfig {
+        kafka_client_config(&self.brokers, &self.security.properties())
+    }
+
+    /// The consumer's `session.timeout.ms`: as set with `-X`, or librdkafka's default.
+    pub fn session_timeout_ms(&self) -> Option<u64> {
+        self.extra
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "session.timeout.ms")
+            .map_or(Some(KAFKA_SESSION_TIMEOUT_MS), |(_, v)| {
+                v.parse::<u64>().ok()
+            })
+    }
+
+    fn problems(&self) -> Vec<ConfigError> {
+        let mut problems = Vec::new();
+        if self.brokers.trim().is_empty() {
+            problems.push(bad("brokers", "is empty; give host:port of a Kafka broker"));
+        }
+        if self.topic.trim().is_empty() {
+            problems.push(bad("topic", "is empty"));
+        }
+        if self.group.trim().is_empty() {
+            problems.push(bad("group", "is empty"));
+        }
+        if self.dead_letter_topic.as_deref() == Some(self.topic.as_str()) {
+            problems.push(bad("dead-letter-topic", "must differ from --topic"));
+        }
+        for (key, _) in &self.extra {
+            if RESERVED_KAFKA_KEYS.contains(&key.as_str()) {
+                problems.push(bad(
+                    "kafka-config",
+                    format!("{key} is managed by tally; use the dedicated flag or leave it"),
+                ));
+            }
+        }
+        let dedicated = self.security.properties();
+        for (key, flag) in SECURITY_KAFKA_KEYS {
+            let owned = dedicated
+                .iter()
+                .any(|(k, _)| k == key || (*key == "sasl.mechanisms" && k == "sasl.mechanism"));
+            if owned && self.extra.iter().any(|(k, _)| k == key) {
+                problems.push(bad(
+                    "kafka-config",
+                    format!("{key} is also set by --{flag}; keep one"),
+                ));
+            }
+        }
+        problems
+    }
+}
+
+/// Base librdkafka settings: the brokers, then `properties` in order.
+pub fn kafka_client_config(brokers: &str, properties: &[(String, String)]) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (key, value) in properties {
+        config.set(key, value);
+    }
+    config
+}
+
+/// Hot-post detection and routing refresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotSettings {
+    /// Events per second across all consumers above which a post is
+    /// promoted (0 turns detection off).
+    pub promote_above: u64,
+    /// Buckets a hot post is promoted to.
+    pub hot_buckets: u32,
+    /// How often the routing registry is read again.
+    pub route_refresh: Duration,
+}
+
+impl Default for HotSettings {
+    fn default() -> Self {
+        HotSettings {
+            promote_above: DEFAULT_PROMOTE_ABOVE,
+            hot_buckets: DEFAULT_HOT_BUCKETS,
+            route_refresh: Duration::from_millis(DEFAULT_ROUTE_REFRESH_MS),
+        }
+    }
+}
+
+/// When batches close, and how many are in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Messages after which a partition's batch closes.
+    pub max_events: u64,
+    /// Distinct (post, bucket) counters after which a partition's batch closes.
+    pub max_keys: usize,
+    /// Age at which a partition's batch closes.
+    pub flush_interval: Duration,
+    /// Scripts in flight to Redis at once, across partitions.
+    pub max_in_flight: usize,
+    /// How long shutdown waits for batches in flight.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Batching {
+            max_events: DEFAULT_BATCH_MAX_EVENTS,
+            max_keys: DEFAULT_BATCH_MAX_KEYS,
+            flush_interval: Duration::from_millis(DEFAULT_FLUSH_INTERVAL_MS),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            shutdown_timeout: Duration::from_secs(DEFAULT_SHUTDOWN_TIMEOUT_SECS),
+        }
+    }
+}
+
+/// Everything `tally run` needs.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    /// Where the events come from.
+    pub kafka: KafkaSettings,
+    /// Where the counts go.
+    pub store: StoreSettings,
+    /// Buckets per post of routing version 0.
+    pub buckets: u32,
+    /// Hot-post detection.
+    pub hot: HotSettings,
+    /// Batch limits and concurrency.
+    pub batching: Batching,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Testing only: send a batch's scripts one by one with this pause
+    /// between them, so a crash can land between two scripts.
+    pub test_script_pause: Duration,
+}
+
+impl RunSettings {
+    /// Every problem with the settings that their parts could not see alone.
+    pub fn problems(&self) -> Vec<ConfigError> {
+        let mut problems = Vec::new();
+        let mut check = |ok: bool, flag: &'static str, problem: &str| {
+            if !ok {
+                problems.push(bad(flag, problem));
+            }
+        };
+        check(
+            self.buckets != 0 && self.buckets <= 1 << 20,
+            "buckets",
+            "must be between 1 and 1048576",
+        );
+        check(
+            self.kafka
+                .session_timeout_ms()
+                .is_some_and(|ms| self.batching.shutdown_timeout.as_millis() < u128::from(ms)),
+            "shutdown-timeout-secs",
+            "must be below the consumer's session.timeout.ms (45 s unless set with -X): a \
+             stopping consumer finishes its batches and leaves before the group could expire it",
+        );
+        check(
+            self.hot.hot_buckets != 0 && self.hot.hot_buckets <= 1 << 16,
+            "hot-buckets",
+            "must be between 1 and 65536",
+        );
+        check(
+            (10..=2_000).contains(&self.hot.route_refresh.as_millis()),
+            "route-refresh-ms",
+            "must be between 10 and 2000",
+        );
+        check(
+            self.batching.max_events != 0,
+            "batch-max-events",
+            "must be at least 1",
+        );
+        check(
+            self.batching.max_keys != 0 && self.batching.max_keys <= 100_000,
+            "batch-max-keys",
+            "must be between 1 and 100000",
+        );
+        check(
+            !self.batching.flush_interval.is_zero(),
+            "flush-interval-ms",
+            "must be at least 1",
+        );
+        check(
+            self.batching.max_in_flight != 0,
+            "max-in-flight",
+            "must be at least 1",
+        );
+        problems.extend(self.kafka.problems());
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(url: &str, password: Option<Password>) -> Result<StoreSettings, Vec<ConfigError>> {
+        StoreSettings::new(url, password, DEFAULT_PREFIX, DEFAULT_SLOT_GROUPS)
+    }
+
+    #[test]
+    fn store_problems_name_their_setting() {
+        let flags = |r: Result<StoreSettings, Vec<ConfigError>>| -> Vec<&'static str> {
+            r.unwrap_err().iter().map(|p| p.flag).collect()
+        };
+        assert_eq!(flags(store("localhost:6379", None)), ["redis"]);
+        assert_eq!(
+            flags(StoreSettings::new("redis://h/", None, "a b", 3)),
+            ["prefix", "slot-groups"]
+        );
+        assert_eq!(
+            flags(store("redis://a:b@h/", Some(Password::Value("c".into())))),
+            ["redis-password"]
+        );
+        let missing = Some(Password::File("/nonexistent/pw".into()));
+        assert_eq!(flags(store("redis://h/", missing)), ["redis-password-file"]);
+        assert!(
+            Password::from_sources(Some("a".into()), Some("f".into()), "redis-password-file")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_password_file_is_read_once_and_joined_to_the_url() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("redis");
+        std::fs::write(&path, "r3dis\n").unwrap();
+        let settings = store("redis://alice@127.0.0.1:6379/", Some(Password::File(path))).unwrap();
+        assert_eq!(
+            settings.url().target().nodes(),
+            ["redis://alice:r3dis@127.0.0.1:6379/"]
+        );
+        assert_eq!(settings.url().shown(), "redis://alice:***@127.0.0.1:6379/");
+        assert!(!format!("{settings:?}").contains("r3dis"));
+    }
+
+    #[test]
+    fn sasl_settings_become_librdkafka_properties() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kafka");
+        std::fs::write(&path, "k4fka\n").unwrap();
+        let security = KafkaSecurity::new(KafkaSecurityInput {
+            protocol: Some(SecurityProtocol::SaslSsl),
+            mechanism: Some(SaslMechanism::ScramSha512),
+            username: Some("tally".into()),
+            password: Some(Password::File(path)),
+            ..KafkaSecurityInput::default()
+        })
+        .unwrap();
+        let properties = security.properties();
+        for (key, value) in [
+            ("security.protocol", "sasl_ssl"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "tally"),
+            ("sasl.password", "k4fka"),
+        ] {
+            assert!(
+                properties.contains(&(key.to_string(), value.to_string())),
+                "{key}"
+            );
+        }
+        assert!(!format!("{security:?}").contains("k4fka"));
+    }
+
+    #[test]
+    fn security_problems_come_together() {
+        let flags: Vec<&str> = KafkaSecurity::new(KafkaSecurityInput {
+            protocol: Some(SecurityProtocol::SaslPlaintext),
+            ca_location: Some("/nonexistent/ca.pem".into()),
+            ..KafkaSecurityInput::default()
+        })
+        .unwrap_err()
+        .iter()
+        .map(|p| p.flag)
+        .collect();
+        assert_eq!(
+            flags,
+            [
+                "kafka-sasl-mechanism",
+                "kafka-sasl-username",
+                "kafka-sasl-password",
+                "kafka-ssl-ca-location"
+            ]
+        );
+        let plain = KafkaSecurity::new(KafkaSecurityInput {
+            username: Some("u".into()),
+            ..KafkaSecurityInput::default()
+        })
+        .unwrap_err();
+        assert_eq!(plain[0].flag, "kafka-sasl-username");
+    }
+}

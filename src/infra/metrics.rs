@@ -1,0 +1,351 @@
+//! Metrics: every name tally exports, in one place ([`ALL`]).
+//!
+//! Invariant: metrics are recorded per batch, never per event in the hot loop,
+//! and no label carries a post or user id (unbounded cardinality; a partition
+//! number is bounded by the topic). Dashboards and alerts may only name
+//! metrics listed in [`ALL`] (a test holds `deploy/` to it). Label values
+//! are given by the callers as `&'static str`, from their own closed sets.
+
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Good events aggregated.
+pub const EVENTS: &str = "tally_events_total";
+/// Bad messages skipped, by `reason`.
+pub const BAD_MESSAGES: &str = "tally_bad_messages_total";
+/// Messages copied to the dead-letter topic.
+pub const DEAD_LETTERS: &str = "tally_dead_letters_total";
+/// Batches finished, by `outcome`: `applied` (every script landed or was
+/// already in) or `resync` (a fence disagreed; the partition re-reads).
+pub const BATCHES: &str = "tally_batches_total";
+/// Lua script replies, by `outcome` (applied, duplicate, straddle, gap).
+pub const SCRIPTS: &str = "tally_scripts_total";
+/// Counter keys per script.
+pub const SCRIPT_KEYS: &str = "tally_script_keys";
+/// Counter increments performed by applied batches.
+pub const INCREMENTS: &str = "tally_increments_total";
+/// Time from sending a batch's script to its reply, retries included.
+pub const APPLY_SECONDS: &str = "tally_apply_seconds";
+/// Messages per closed batch.
+pub const BATCH_MESSAGES: &str = "tally_batch_messages";
+/// Redis errors that were retried.
+pub const REDIS_RETRIES: &str = "tally_redis_retries_total";
+/// Times the Lua script had to be loaded again (NOSCRIPT).
+pub const SCRIPT_RELOADS: &str = "tally_script_reloads_total";
+/// Seeks back to a fence after a straddle or a gap.
+pub const RESYNCS: &str = "tally_resyncs_total";
+/// Partitions currently assigned to this consumer.
+pub const ASSIGNED_PARTITIONS: &str = "tally_assigned_partitions";
+/// Kafka offset commits that failed (harmless: the fence is the truth).
+pub const COMMIT_FAILURES: &str = "tally_commit_failures_total";
+/// Routing versions published, by `trigger` (`auto` from hot-post detection,
+/// `manual` from `tally promote` and `tally demote`).
+pub const PROMOTIONS: &str = "tally_promotions_total";
+/// Count reads answered from the read cache.
+pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
+/// Count reads that had to sum the buckets in Redis.
+pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
+/// Messages between a partition's last applied offset and its high
+/// watermark, by `partition`.
+pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
+/// Last Kafka offset applied to Redis (the fence), by `partition`.
+pub const APPLIED_OFFSET: &str = "tally_applied_offset";
+/// Consumer group rebalances this consumer took part in.
+pub const REBALANCES: &str = "tally_rebalances_total";
+
+/// Posts with routing metadata in this consumer's view of the registry.
+pub const ROUTED_POSTS: &str = "tally_routed_posts";
+/// Pauses taken before routing an event stamped ahead of the registry clock,
+/// or while the registry view was too old for it.
+pub const ROUTE_WAITS: &str = "tally_route_waits_total";
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution, exported as `_bucket`, `_sum` and `_count` series.
+    Histogram,
+}
+
+/// Every metric tally exports: name, kind and help text (the `# HELP` line).
+pub const ALL: &[(&str, Kind, &str)] = &[
+    (EVENTS, Kind::Counter, "Good like events applied."),
+    (
+        BAD_MESSAGES,
+        Kind::Counter,
+        "Bad messages skipped, by reason.",
+    ),
+    (
+        DEAD_LETTERS,
+        Kind::Counter,
+        "Bad messages copied to the dead-letter topic.",
+    ),
+    (
+        BATCHES,
+        Kind::Counter,
+        "Batches finished, by outcome (applied, resync).",
+    ),
+    (
+        SCRIPTS,
+        Kind::Counter,
+        "Lua script replies, by outcome (applied, duplicate, straddle, gap).",
+    ),
+    (SCRIPT_KEYS, Kind::Histogram, "Counter keys per script."),
+    (
+        INCREMENTS,
+        Kind::Counter,
+        "Counter increments made by applied batches.",
+    ),
+    (
+        APPLY_SECONDS,
+        Kind::Histogram,
+        "Batch apply latency in seconds, retries included.",
+    ),
+    (BATCH_MESSAGES, Kind::Histogram, "Messages per batch."),
+    (REDIS_RETRIES, Kind::Counter, "Redis errors retried."),
+    (
+        SCRIPT_RELOADS,
+        Kind::Counter,
+        "Lua script reloads after NOSCRIPT.",
+    ),
+    (
+        RESYNCS,
+        Kind::Counter,
+        "Seeks back to a fence after a straddle or a gap.",
+    ),
+    (
+        ASSIGNED_PARTITIONS,
+        Kind::Gauge,
+        "Partitions assigned to this consumer.",
+    ),
+    (
+        COMMIT_FAILURES,
+        Kind::Counter,
+        "Failed Kafka offset commits (harmless: the fence is the truth).",
+    ),
+    (
+        PROMOTIONS,
+        Kind::Counter,
+        "Routing versions published, by trigger (auto, manual).",
+    ),
+    (
+        READ_CACHE_HITS,
+        Kind::Counter,
+        "Count reads answered from the read cache.",
+    ),
+    (
+        READ_CACHE_MISSES,
+        Kind::Counter,
+        "Count reads that summed the buckets in Redis.",
+    ),
+    (
+        CONSUMER_LAG,
+        Kind::Gauge,
+        "Messages not yet applied, by partition.",
+    ),
+    (
+        APPLIED_OFFSET,
+        Kind::Gauge,
+        "Last Kafka offset applied to Redis, by partition.",
+    ),
+    (
+        REBALANCES,
+        Kind::Counter,
+        "Consumer group rebalances this consumer took part in.",
+    ),
+    (
+        ROUTED_POSTS,
+        Kind::Gauge,
+        "Posts with routing metadata in this consumer's view of the registry.",
+    ),
+    (
+        ROUTE_WAITS,
+        Kind::Counter,
+        "Pauses before routing an event stamped ahead of the registry clock.",
+    ),
+];
+
+/// Script outcomes, the values of [`SCRIPTS`]' `outcome` label.
+pub const SCRIPT_OUTCOMES: [&str; 4] = ["applied", "duplicate", "straddle", "gap"];
+/// Routing triggers, the values of [`PROMOTIONS`]' `trigger` label.
+pub const TRIGGERS: [&str; 2] = ["auto", "manual"];
+
+/// Describes every metric and registers every unlabelled (or fixed-label)
+/// series at zero, so dashboards see them before the first event;
+/// `bad_reasons` are the values of [`BAD_MESSAGES`]' `reason` label.
+pub fn describe(bad_reasons: &[&'static str]) {
+    for &(name, kind, help) in ALL {
+        match kind {
+            Kind::Counter => describe_counter!(name, help),
+            Kind::Gauge => describe_gauge!(name, help),
+            Kind::Histogram => describe_histogram!(name, help),
+        }
+    }
+    for &reason in bad_reasons {
+        counter!(BAD_MESSAGES, "reason" => reason).absolute(0);
+    }
+    for outcome in SCRIPT_OUTCOMES {
+        counter!(SCRIPTS, "outcome" => outcome).absolute(0);
+    }
+    for outcome in ["applied", "resync"] {
+        counter!(BATCHES, "outcome" => outcome).absolute(0);
+    }
+    for name in [
+        EVENTS,
+        DEAD_LETTERS,
+        INCREMENTS,
+        REDIS_RETRIES,
+        SCRIPT_RELOADS,
+        RESYNCS,
+        COMMIT_FAILURES,
+        ROUTE_WAITS,
+        READ_CACHE_HITS,
+        READ_CACHE_MISSES,
+        REBALANCES,
+    ] {
+        counter!(name).absolute(0);
+    }
+    for trigger in TRIGGERS {
+        counter!(PROMOTIONS, "trigger" => trigger).absolute(0);
+    }
+    gauge!(ROUTED_POSTS).set(0.0);
+    gauge!(ASSIGNED_PARTITIONS).set(0.0);
+}
+
+/// Records a bad message.
+pub fn bad_message(reason: &'static str) {
+    counter!(BAD_MESSAGES, "reason" => reason).increment(1);
+}
+
+/// Records a dead-lettered message.
+pub fn dead_lettered() {
+    counter!(DEAD_LETTERS).increment(1);
+}
+
+/// Records one script's reply (`outcome`: one of [`SCRIPT_OUTCOMES`]).
+pub fn script_done(outcome: &'static str, keys: usize) {
+    counter!(SCRIPTS, "outcome" => outcome).increment(1);
+    histogram!(SCRIPT_KEYS).record(keys as f64);
+}
+
+/// Records a finished batch: `increments` counters written by its applied
+/// scripts; `applied` when the partition carries on, `false` on a resync.
+pub fn batch_done(applied: bool, messages: u64, bad: u64, increments: usize, took: Duration) {
+    counter!(BATCHES, "outcome" => if applied { "applied" } else { "resync" }).increment(1);
+    histogram!(APPLY_SECONDS).record(took.as_secs_f64());
+    histogram!(BATCH_MESSAGES).record(messages as f64);
+    counter!(INCREMENTS).increment(increments as u64);
+    if applied {
+        counter!(EVENTS).increment(messages - bad);
+    }
+}
+
+/// Records a Redis retry.
+pub fn redis_retry() {
+    counter!(REDIS_RETRIES).increment(1);
+}
+
+/// Records a NOSCRIPT reload.
+pub fn script_reloaded() {
+    counter!(SCRIPT_RELOADS).increment(1);
+}
+
+/// Records a seek back to the fence.
+pub fn resynced() {
+    counter!(RESYNCS).increment(1);
+}
+
+/// Records the number of assigned partitions.
+pub fn assigned(partitions: usize) {
+    gauge!(ASSIGNED_PARTITIONS).set(partitions as f64);
+}
+
+/// Records a partition's lag (high watermark minus the next offset to apply).
+pub fn consumer_lag(partition: i32, messages: i64) {
+    gauge!(CONSUMER_LAG, "partition" => partition.to_string()).set(messages.max(0) as f64);
+}
+
+/// Records the last offset applied for a partition.
+pub fn applied_offset(partition: i32, offset: i64) {
+    gauge!(APPLIED_OFFSET, "partition" => partition.to_string()).set(offset as f64);
+}
+
+/// Records a rebalance this consumer took part in.
+pub fn rebalanced() {
+    counter!(REBALANCES).increment(1);
+}
+
+/// Records a failed offset commit.
+pub fn commit_failed() {
+    counter!(COMMIT_FAILURES).increment(1);
+}
+
+/// Records a published routing version (`trigger`: one of [`TRIGGERS`]).
+pub fn promoted(trigger: &'static str) {
+    counter!(PROMOTIONS, "trigger" => trigger).increment(1);
+}
+
+/// Records the number of posts with routing metadata.
+pub fn routed_posts(posts: usize) {
+    gauge!(ROUTED_POSTS).set(posts as f64);
+}
+
+/// Records a pause before routing an event.
+pub fn route_wait() {
+    counter!(ROUTE_WAITS).increment(1);
+}
+
+/// Records reads served from the cache (`hit`) or fetched.
+pub fn read_cache(hits: u64, misses: u64) {
+    if hits > 0 {
+        counter!(READ_CACHE_HITS).increment(hits);
+    }
+    if misses > 0 {
+        counter!(READ_CACHE_MISSES).increment(misses);
+    }
+}
+
+/// Installs the Prometheus recorder (histogram buckets chosen per metric)
+/// and returns the handle that renders `/metrics`.
+pub fn install() -> Result<PrometheusHandle, BuildError> {
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in [
+        (
+            APPLY_SECONDS,
+            &[
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+            ][..],
+        ),
+        (BATCH_MESSAGES, &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6][..]),
+        (SCRIPT_KEYS, &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4][..]),
+    ] {
+        builder = builder.set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)?;
+    }
+    builder.install_recorder()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut seen = std::collections::HashSet::new();
+        for &(name, kind, help) in ALL {
+            assert!(seen.insert(name), "{name} listed twice");
+            assert!(name.starts_with("tally_"), "{name}");
+            assert!(!help.is_empty(), "{name}");
+            assert_eq!(
+                kind == Kind::Counter,
+                name.ends_with("_total"),
+                "{name}: counters, and only counters, end in _total"
+            );
+        }
+    }
+}

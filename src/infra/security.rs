@@ -1,0 +1,362 @@
+//! Security: TLS and SASL towards Kafka, AUTH and TLS towards Redis.
+//!
+//! Invariant: a secret (a SASL password, a Redis password) is read once at
+//! start-up, from the environment or a file, and leaves the process only
+//! towards the broker or Redis. Every place that shows a setting (log lines,
+//! errors, `tally config print`, `Debug`) goes through [`redact_url`] or
+//! [`is_secret_key`], so no secret is ever printed.
+//!
+//! Kafka settings map onto librdkafka properties: `security.protocol`,
+//! `sasl.mechanism`, `sasl.username`, `sasl.password`, `ssl.ca.location`,
+//! `ssl.certificate.location`, `ssl.key.location`. PLAIN is built into
+//! librdkafka; TLS and SCRAM need its OpenSSL support, which tally is built
+//! with (the `ssl` feature of rdkafka) and checks at start-up.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// How tally talks to the brokers (librdkafka's `security.protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SecurityProtocol {
+    /// No TLS, no SASL.
+    #[serde(rename = "plaintext")]
+    Plaintext,
+    /// TLS, no SASL.
+    #[serde(rename = "ssl")]
+    Ssl,
+    /// SASL without TLS.
+    #[serde(rename = "sasl_plaintext")]
+    SaslPlaintext,
+    /// SASL over TLS.
+    #[serde(rename = "sasl_ssl")]
+    SaslSsl,
+}
+
+impl SecurityProtocol {
+    /// Every protocol, in the order `--help` lists them.
+    pub const ALL: [SecurityProtocol; 4] = [
+        SecurityProtocol::Plaintext,
+        SecurityProtocol::Ssl,
+        SecurityProtocol::SaslPlaintext,
+        SecurityProtocol::SaslSsl,
+    ];
+
+    /// The librdkafka value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SecurityProtocol::Plaintext => "plaintext",
+            SecurityProtocol::Ssl => "ssl",
+            SecurityProtocol::SaslPlaintext => "sasl_plaintext",
+            SecurityProtocol::SaslSsl => "sasl_ssl",
+        }
+    }
+
+    /// Whether SASL authenticates the connection.
+    pub fn uses_sasl(self) -> bool {
+        matches!(
+            self,
+            SecurityProtocol::SaslPlaintext | SecurityProtocol::SaslSsl
+        )
+    }
+
+    /// Whether the connection is encrypted.
+    pub fn uses_tls(self) -> bool {
+        matches!(self, SecurityProtocol::Ssl | SecurityProtocol::SaslSsl)
+    }
+}
+
+/// SASL mechanisms tally supports (librdkafka's `sasl.mechanism`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SaslMechanism {
+    /// Username and password in the clear (use with `sasl_ssl`).
+    #[serde(rename = "PLAIN")]
+    Plain,
+    /// Salted challenge-response with SHA-256.
+    #[serde(rename = "SCRAM-SHA-256")]
+    ScramSha256,
+    /// Salted challenge-response with SHA-512.
+    #[serde(rename = "SCRAM-SHA-512")]
+    ScramSha512,
+}
+
+impl SaslMechanism {
+    /// Every mechanism, in the order `--help` lists them.
+    pub const ALL: [SaslMechanism; 3] = [
+        SaslMechanism::Plain,
+        SaslMechanism::ScramSha256,
+        SaslMechanism::ScramSha512,
+    ];
+
+    /// The librdkafka value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SaslMechanism::Plain => "PLAIN",
+            SaslMechanism::ScramSha256 => "SCRAM-SHA-256",
+            SaslMechanism::ScramSha512 => "SCRAM-SHA-512",
+        }
+    }
+}
+
+/// A protocol or mechanism name that is not one of the known ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown value '{given}'; expected one of {expected}")]
+pub struct UnknownName {
+    /// What was given.
+    pub given: String,
+    /// The names accepted, comma separated.
+    pub expected: String,
+}
+
+/// The value of `ALL` whose name is `given`, ignoring case when `fold` is set.
+fn by_name<T: Copy>(
+    all: &[T],
+    name: impl Fn(T) -> &'static str,
+    given: &str,
+    fold: bool,
+) -> Result<T, UnknownName> {
+    all.iter()
+        .copied()
+        .find(|&v| {
+            if fold {
+                name(v).eq_ignore_ascii_case(given)
+            } else {
+                name(v) == given
+            }
+        })
+        .ok_or_else(|| UnknownName {
+            given: given.to_string(),
+            expected: all.iter().map(|&v| name(v)).collect::<Vec<_>>().join(", "),
+        })
+}
+
+impl FromStr for SecurityProtocol {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        by_name(&SecurityProtocol::ALL, SecurityProtocol::as_str, s, false)
+    }
+}
+
+impl FromStr for SaslMechanism {
+    type Err = UnknownName;
+
+    /// Case does not matter: `scram-sha-512` is `SCRAM-SHA-512`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        by_name(&SaslMechanism::ALL, SaslMechanism::as_str, s, true)
+    }
+}
+
+/// Whether a librdkafka property holds a secret (`sasl.password`,
+/// `ssl.key.password`, `sasl.oauthbearer.client.secret`, ...).
+pub fn is_secret_key(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    key.contains("password") || key.contains("secret")
+}
+
+/// A secret file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The file cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file holds nothing but line ends.
+    #[error("{} is empty", .0.display())]
+    Empty(PathBuf),
+}
+
+/// Reads a secret from a file: the whole content, without the trailing newline
+/// most editors and `kubectl create secret --from-file` leave.
+pub fn read_secret_file(path: &Path) -> Result<String, SecretError> {
+    let text = std::fs::read_to_string(path).map_err(|source| SecretError::Unreadable {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let secret = text.trim_end_matches(['\r', '\n']);
+    if secret.is_empty() {
+        return Err(SecretError::Empty(path.to_path_buf()));
+    }
+    Ok(secret.to_string())
+}
+
+/// The user-info part of a Redis URL (`user:password` in
+/// `redis://user:password@host`), and where it ends.
+fn user_info(url: &str) -> Option<(usize, usize)> {
+    let start = url.find("://")? + 3;
+    let at = url[start..].rfind('@')? + start;
+    Some((start, at))
+}
+
+/// The URL with its password (if any) replaced by `***`; the user name stays.
+pub fn redact_url(url: &str) -> String {
+    match user_info(url) {
+        Some((start, at)) => match url[start..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..start], &url[at..]),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+/// Whether a Redis URL carries a password.
+pub fn url_has_password(url: &str) -> bool {
+    user_info(url).is_some_and(|(start, at)| url[start..at].contains(':'))
+}
+
+/// Puts `password` into a Redis URL (percent-encoded), keeping its user name:
+/// `redis://alice@host` becomes `redis://alice:<password>@host`, and
+/// `redis://host` becomes `redis://:<password>@host` (the default user).
+pub fn with_password(url: &str, password: &str) -> Result<String, &'static str> {
+    if url_has_password(url) {
+        return Err("the URL already holds a password; give it in one place only");
+    }
+    let encoded = percent_encode(password);
+    Ok(match user_info(url) {
+        Some((start, at)) => format!(
+            "{}{}:{encoded}{}",
+            &url[..start],
+            &url[start..at],
+            &url[at..]
+        ),
+        None => {
+            let start = url.find("://").ok_or("not a URL")? + 3;
+            format!("{}:{encoded}@{}", &url[..start], &url[start..])
+        }
+    })
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// The features librdkafka was built with (`builtin.features`).
+pub fn kafka_builtin_features() -> Vec<String> {
+    rdkafka::ClientConfig::new()
+        .create_native_config()
+        .and_then(|native| native.get("builtin.features"))
+        .map(|features| features.split(',').map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// A protocol or mechanism this build of librdkafka cannot speak.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this build of librdkafka lacks '{missing}' (it has: {has}); rebuild tally with rdkafka's `ssl` feature"
+)]
+pub struct MissingFeature {
+    /// The feature needed.
+    pub missing: &'static str,
+    /// The features it has, comma separated.
+    pub has: String,
+}
+
+/// Checks this build's librdkafka supports the protocol and mechanism asked for.
+pub fn check_kafka_support(
+    protocol: SecurityProtocol,
+    mechanism: Option<SaslMechanism>,
+) -> Result<(), MissingFeature> {
+    let features = kafka_builtin_features();
+    let has = |f: &str| features.iter().any(|x| x == f);
+    let mut needed = Vec::new();
+    if protocol.uses_tls() {
+        needed.push("ssl");
+    }
+    if protocol.uses_sasl() {
+        needed.push("sasl");
+    }
+    match mechanism {
+        Some(SaslMechanism::Plain) => needed.push("sasl_plain"),
+        Some(SaslMechanism::ScramSha256 | SaslMechanism::ScramSha512) => needed.push("sasl_scram"),
+        None => {}
+    }
+    match needed.into_iter().find(|f| !has(f)) {
+        Some(missing) => Err(MissingFeature {
+            missing,
+            has: features.join(","),
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted_and_user_names_kept() {
+        assert_eq!(
+            redact_url("redis://alice:s3cret@h:6379/0"),
+            "redis://alice:***@h:6379/0"
+        );
+        assert_eq!(redact_url("rediss://:pw@h"), "rediss://:***@h");
+        assert_eq!(redact_url("redis://h:1/"), "redis://h:1/");
+        assert_eq!(redact_url("redis://alice@h:1/"), "redis://alice@h:1/");
+        assert_eq!(
+            redact_url("redis+cluster://u:p@a:1,b:2"),
+            "redis+cluster://u:***@a:1,b:2"
+        );
+        assert!(is_secret_key("sasl.password"));
+        assert!(is_secret_key("ssl.key.password"));
+        assert!(is_secret_key("sasl.oauthbearer.client.secret"));
+        assert!(!is_secret_key("sasl.username"));
+    }
+
+    #[test]
+    fn a_password_joins_the_url_encoded() {
+        assert_eq!(
+            with_password("redis://alice@h:6379/", "p@ss:w/rd").unwrap(),
+            "redis://alice:p%40ss%3Aw%2Frd@h:6379/"
+        );
+        assert_eq!(
+            with_password("rediss://h:6379", "pw").unwrap(),
+            "rediss://:pw@h:6379"
+        );
+        assert_eq!(
+            with_password("redis+cluster://bob@a:1,b:2", "pw").unwrap(),
+            "redis+cluster://bob:pw@a:1,b:2"
+        );
+        assert!(with_password("redis://a:b@h", "pw").is_err());
+        let url = with_password("redis://alice@h:1/", "x y").unwrap();
+        let info = redis::IntoConnectionInfo::into_connection_info(url.as_str()).unwrap();
+        assert_eq!(info.redis_settings().password(), Some("x y"));
+        assert_eq!(info.redis_settings().username(), Some("alice"));
+    }
+
+    #[test]
+    fn this_build_speaks_tls_plain_and_scram() {
+        for mechanism in [
+            SaslMechanism::Plain,
+            SaslMechanism::ScramSha256,
+            SaslMechanism::ScramSha512,
+        ] {
+            check_kafka_support(SecurityProtocol::SaslSsl, Some(mechanism)).unwrap();
+        }
+        check_kafka_support(SecurityProtocol::Ssl, None).unwrap();
+    }
+
+    #[test]
+    fn secret_files_lose_their_trailing_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pw");
+        std::fs::write(&path, "hunter2\n").unwrap();
+        assert_eq!(read_secret_file(&path).unwrap(), "hunter2");
+        std::fs::write(&path, "\n").unwrap();
+        assert!(read_secret_file(&path).is_err());
+        assert!(read_secret_file(&dir.path().join("missing")).is_err());
+    }
+}

@@ -1,0 +1,451 @@
+//! Store: connections to one Redis server or a Redis Cluster.
+//!
+//! Invariant: one multiplexed connection per server (per primary on a
+//! cluster), shared by every script in flight, so a batch touching many slot
+//! groups is pipelined over a handful of connections rather than paid for in
+//! sequential round trips. Redirections (MOVED, ASK), TRYAGAIN during slot
+//! migration and reconnects after failover are handled by the cluster client;
+//! whatever still fails reaches [`crate::infra::retry`] and is retried behind the fence.
+//!
+//! URLs: `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS) for
+//! one server; `redis+cluster://[user:password@]host1:port1,host2:port2,...`
+//! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use redis::aio::{
+    ConnectionLike as AsyncConnectionLike, ConnectionManager, ConnectionManagerConfig,
+};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ConnectionLike, Pipeline, RedisError, RedisFuture, Value};
+use tracing::warn;
+
+use crate::infra::retry::{RedisFailure, classify_redis};
+use crate::infra::security::redact_url;
+
+/// A Redis URL, parsed once: where to connect, and how to show it.
+///
+/// The display form has the password replaced by `***`
+/// ([`crate::infra::security::redact_url`]); it is the only form that reaches
+/// a log line, an error or a report.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisUrl {
+    target: Target,
+    shown: String,
+}
+
+/// A Redis URL that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("'{shown}': {problem}")]
+pub struct UrlError {
+    /// The URL as given, password removed.
+    pub shown: String,
+    /// What is wrong with it.
+    pub problem: &'static str,
+}
+
+impl RedisUrl {
+    /// Parses `redis://`, `rediss://`, `redis+cluster://` or `rediss+cluster://`.
+    pub fn parse(url: &str) -> Result<RedisUrl, UrlError> {
+        let shown = redact_url(url);
+        match Target::parse(url) {
+            Ok(target) => Ok(RedisUrl { target, shown }),
+            Err(problem) => Err(UrlError { shown, problem }),
+        }
+    }
+
+    /// Where to connect (credentials included).
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// The URL with its password masked.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    /// Whether the URL names a cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.target.is_cluster()
+    }
+
+    /// Whether the connection is encrypted (`rediss`).
+    pub fn uses_tls(&self) -> bool {
+        self.target.nodes()[0].starts_with("rediss://")
+    }
+}
+
+impl std::fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown)
+    }
+}
+
+/// Where the counters live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One server, by URL.
+    Single(String),
+    /// A cluster, by the URLs of some of its nodes.
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    fn parse(url: &str) -> Result<Target, &'static str> {
+        for (scheme, node_scheme) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                let (auth, hosts) = match rest.rsplit_once('@') {
+                    Some((auth, hosts)) => (format!("{auth}@"), hosts),
+                    None => (String::new(), rest),
+                };
+                let nodes: Vec<String> = hosts
+                    .trim_end_matches('/')
+                    .split(',')
+                    .filter(|h| !h.trim().is_empty())
+                    .map(|h| format!("{node_scheme}{auth}{}", h.trim()))
+                    .collect();
+                if nodes.is_empty() {
+                    return Err("a cluster URL needs at least one host:port");
+                }
+                return Ok(Target::Cluster(nodes));
+            }
+        }
+        if url.starts_with("redis://") || url.starts_with("rediss://") {
+            Ok(Target::Single(url.to_string()))
+        } else {
+            Err("expected redis://host:port or redis+cluster://host1:port1,host2:port2")
+        }
+    }
+
+    /// Whether this is a cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Target::Cluster(_))
+    }
+
+    /// The URL of every node given (one for a single server).
+    pub fn nodes(&self) -> &[String] {
+        match self {
+            Target::Single(url) => std::slice::from_ref(url),
+            Target::Cluster(nodes) => nodes,
+        }
+    }
+
+    /// One server at `host_port`, reached with this target's scheme and
+    /// credentials (a cluster node found in the slot map, say).
+    pub fn node(&self, host_port: &str) -> Target {
+        let template = &self.nodes()[0];
+        let (scheme, rest) = template.split_once("://").unwrap_or(("redis", template));
+        let auth = rest
+            .rsplit_once('@')
+            .map(|(auth, _)| format!("{auth}@"))
+            .unwrap_or_default();
+        Target::Single(format!("{scheme}://{auth}{host_port}/"))
+    }
+}
+
+/// An async connection to the store; cheap to clone (shared multiplexed connections).
+#[derive(Clone)]
+pub enum Store {
+    /// One server; reconnects by itself.
+    Single(ConnectionManager),
+    /// A cluster; one connection per node, slot map kept fresh.
+    Cluster(ClusterConnection),
+}
+
+impl Store {
+    /// Connects to the target.
+    pub async fn connect(target: &Target) -> Result<Store, RedisError> {
+        match target {
+            Target::Single(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(3)))
+                    .set_response_timeout(Some(Duration::from_secs(10)))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(2));
+                Ok(Store::Single(
+                    ConnectionManager::new_with_config(client, config).await?,
+                ))
+            }
+            Target::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(Duration::from_secs(3))
+                    .response_timeout(Duration::from_secs(10))
+                    .retries(3)
+                    .min_retry_wait(50)
+                    .max_retry_wait(2_000)
+                    .build()?;
+                Ok(Store::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+}
+
+impl AsyncConnectionLike for Store {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Store::Single(c) => c.req_packed_command(cmd),
+            Store::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Store::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Store::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Store::Single(c) => c.get_db(),
+            Store::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Redis could not be reached, or refused the connection, at start-up.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot reach Redis at {url}: {source}")]
+pub struct ConnectError {
+    /// The URL, password masked.
+    pub url: String,
+    /// What the connection or its first PING answered.
+    #[source]
+    pub source: RedisError,
+}
+
+impl ConnectError {
+    /// Whether Redis turned the connection down for its credentials.
+    pub fn refused_credentials(&self) -> bool {
+        self.source.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(self.source.code(), Some("NOAUTH" | "WRONGPASS"))
+    }
+}
+
+/// A store connection shared by every task, rebuilt when a cluster stops
+/// answering. After a primary dies, the cluster client can keep timing out
+/// on every node for a long while (its topology refresh waits on the dead
+/// node); a fresh connection reads the new topology from a live node at once.
+#[derive(Clone)]
+pub struct Shared {
+    inner: Arc<SharedInner>,
+}
+
+struct SharedInner {
+    target: Target,
+    current: Mutex<(u64, Store)>,
+    rebuilding: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    /// Connects to the target.
+    pub async fn connect(target: &Target) -> Result<Shared, RedisError> {
+        let store = Store::connect(target).await?;
+        Ok(Shared {
+            inner: Arc::new(SharedInner {
+                target: target.clone(),
+                current: Mutex::new((0, store)),
+                rebuilding: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Connects and checks that the store answers a PING.
+    pub async fn connect_checked(target: &Target) -> Result<Shared, RedisError> {
+        let store = Shared::connect(target).await?;
+        store
+            .call(|mut s| async move { redis::cmd("PING").query_async::<String>(&mut s).await })
+            .await?;
+        Ok(store)
+    }
+
+    /// Connects to `url` and checks the store answers a PING.
+    pub async fn open(url: &RedisUrl) -> Result<Shared, ConnectError> {
+        Shared::connect_checked(url.target())
+            .await
+            .map_err(|source| ConnectError {
+                url: url.shown().to_string(),
+                source,
+            })
+    }
+
+    /// The current connection and its generation.
+    pub fn get(&self) -> (u64, Store) {
+        let current = self.inner.current.lock().unwrap_or_else(|e| e.into_inner());
+        (current.0, current.1.clone())
+    }
+
+    /// Runs `call` on the current connection; a cluster connection that failed
+    /// with a timeout or a broken connection is replaced before the error is
+    /// returned, so the caller's retry uses a fresh one.
+    pub async fn call<T, F, Fut>(&self, call: F) -> Result<T, RedisError>
+    where
+        F: FnOnce(Store) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        let (generation, store) = self.get();
+        let result = call(store).await;
+        if let Err(error) = &result
+            && self.inner.target.is_cluster()
+            && (error.is_timeout() || error.is_io_error() || error.is_connection_dropped())
+        {
+            self.rebuild(generation).await;
+        }
+        result
+    }
+
+    async fn rebuild(&self, failed: u64) {
+        let _one_at_a_time = self.inner.rebuilding.lock().await;
+        if self.get().0 != failed {
+            return;
+        }
+        match Store::connect(&self.inner.target).await {
+            Ok(store) => {
+                *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = (failed + 1, store);
+                warn!(
+                    generation = failed + 1,
+                    "Cluster connection rebuilt after errors."
+                );
+            }
+            Err(error) => warn!(%error, "Rebuilding the cluster connection failed; will retry."),
+        }
+    }
+}
+
+/// A small Lua script sent by hash, and in full once after a NOSCRIPT (a
+/// flushed script cache, a failover, a node that never saw it).
+pub struct Lua {
+    text: &'static str,
+    sha: OnceLock<String>,
+}
+
+impl Lua {
+    /// A script with the given source.
+    pub const fn new(text: &'static str) -> Self {
+        Self {
+            text,
+            sha: OnceLock::new(),
+        }
+    }
+
+    fn command(&self, by_hash: bool, keys: &[&str], args: &[&str]) -> Cmd {
+        let mut cmd = if by_hash {
+            let sha = self
+                .sha
+                .get_or_init(|| redis::Script::new(self.text).get_hash().to_string());
+            redis::cmd("EVALSHA").arg(sha.as_str()).clone()
+        } else {
+            redis::cmd("EVAL").arg(self.text).clone()
+        };
+        cmd.arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+
+    /// Runs the script once on the server owning `keys`.
+    pub async fn call<T: redis::FromRedisValue>(
+        &self,
+        store: &Shared,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<T, RedisError> {
+        store
+            .call(|mut s| async move {
+                match self.command(true, keys, args).query_async(&mut s).await {
+                    Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
+                        self.command(false, keys, args).query_async(&mut s).await
+                    }
+                    other => other,
+                }
+            })
+            .await
+    }
+}
+
+/// A blocking connection, for the Kafka rebalance callback (which cannot await).
+pub fn connect_blocking(
+    target: &Target,
+    timeout: Duration,
+) -> Result<Box<dyn ConnectionLike>, RedisError> {
+    match target {
+        Target::Single(url) => {
+            let conn = redis::Client::open(url.as_str())?.get_connection_with_timeout(timeout)?;
+            conn.set_read_timeout(Some(timeout))?;
+            conn.set_write_timeout(Some(timeout))?;
+            Ok(Box::new(conn))
+        }
+        Target::Cluster(nodes) => {
+            let client = ClusterClientBuilder::new(nodes.clone())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .retries(3)
+                .build()?;
+            Ok(Box::new(client.get_connection()?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(url: &str) -> Target {
+        RedisUrl::parse(url).unwrap().target().clone()
+    }
+
+    #[test]
+    fn urls_name_a_server_or_a_cluster() {
+        assert_eq!(
+            target("redis://h:1/"),
+            Target::Single("redis://h:1/".into())
+        );
+        assert_eq!(
+            target("redis+cluster://u:p@a:1,b:2/"),
+            Target::Cluster(vec!["redis://u:p@a:1".into(), "redis://u:p@b:2".into()])
+        );
+        assert!(
+            RedisUrl::parse("rediss+cluster://a:1")
+                .unwrap()
+                .is_cluster()
+        );
+        assert!(RedisUrl::parse("rediss+cluster://a:1").unwrap().uses_tls());
+        let bad = RedisUrl::parse("localhost:6379").unwrap_err();
+        assert!(
+            bad.to_string().starts_with("'localhost:6379': expected"),
+            "{bad}"
+        );
+        assert!(RedisUrl::parse("redis+cluster://").is_err());
+    }
+
+    #[test]
+    fn the_shown_url_hides_the_password_only() {
+        let url = RedisUrl::parse("redis+cluster://u:s3cret@a:1,b:2").unwrap();
+        assert_eq!(url.shown(), "redis+cluster://u:***@a:1,b:2");
+        assert_eq!(format!("{url:?}"), url.shown());
+        let bad = RedisUrl::parse("http://u:s3cret@a").unwrap_err();
+        assert!(!bad.to_string().contains("s3cret"), "{bad}");
+    }
+
+    #[test]
+    fn cluster_nodes_keep_the_credentials() {
+        assert_eq!(
+            target("redis+cluster://u:p@a:1").node("10.0.0.2:7001"),
+            Target::Single("redis://u:p@10.0.0.2:7001/".into())
+        );
+        assert_eq!(
+            target("rediss://a:1").node("b:2"),
+            Target::Single("rediss://b:2/".into())
+        );
+    }
+}

@@ -1,0 +1,83 @@
+//! Operations on stored counts: rebuild a generation from the topic, verify
+//! counts against it, remove old generations, change a post's routing.
+//!
+//! Each returns what it did as data; the CLI decides how to show it.
+
+pub mod gc;
+pub mod promote;
+pub mod rebuild;
+pub mod verify;
+
+use rdkafka::error::KafkaError;
+use redis::RedisError;
+
+use crate::domain::layout::{self, OpenStore};
+use crate::infra::config::{ConfigError, RunSettings};
+use crate::infra::store::ConnectError;
+use crate::pipeline::apply::Applier;
+use crate::pipeline::consume::TopicError;
+use crate::pipeline::run::RunError;
+use crate::read::ReadError;
+
+/// Why an operation stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// A setting is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Redis is unreachable or refused at start-up.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// A Redis call failed.
+    #[error("Redis: {0}")]
+    Redis(#[from] RedisError),
+    /// The brokers or a topic are unavailable.
+    #[error(transparent)]
+    Topic(#[from] TopicError),
+    /// A Kafka call failed; `doing` says which.
+    #[error("{doing}: {source}")]
+    Kafka {
+        /// What was being done.
+        doing: String,
+        /// The client's error.
+        source: KafkaError,
+    },
+    /// Reading counts failed.
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    /// A pipeline the operation runs stopped with an error.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// A blocking task of the operation panicked.
+    #[error("a worker task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// The operation cannot go on; the text says why and what to do.
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl OpError {
+    /// A Kafka error while `doing` something.
+    pub fn kafka(doing: impl Into<String>) -> impl FnOnce(KafkaError) -> OpError {
+        let doing = doing.into();
+        move |source| OpError::Kafka { doing, source }
+    }
+}
+
+/// Checks `settings` and opens their store, with an applier of the live
+/// group's fences under the base key layout (generation 0; callers move it
+/// to the generation they work on).
+async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier), OpError> {
+    if let Some(problem) = settings.problems().into_iter().next() {
+        return Err(problem.into());
+    }
+    let opened = layout::open(&settings.store).await?;
+    let applier = Applier::new(
+        opened.store.clone(),
+        opened.target().clone(),
+        opened.keys.clone(),
+        &settings.kafka.group,
+        &settings.kafka.topic,
+    );
+    Ok((opened, applier))
+}

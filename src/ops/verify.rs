@@ -1,0 +1,295 @@
+//! Verify: recount the topic in memory and compare it with the counts
+//! readers get from the current generation.
+//!
+//! Invariant: a post's stored count is exactly the sum of the deltas of its
+//! events from each partition's origin up to that partition's fence, because
+//! counters and fences only ever move together, in one script. So `tally
+//! verify` reads every (selected) partition from its origin to its fence in
+//! the current generation, sums per post, reads the counts through
+//! [`crate::read::Reader`], and reports every post where the two differ.
+//!
+//! With live traffic the fences move while verify reads. Stop (or pause) the
+//! live group for an exact answer in one pass; otherwise verify recounts up
+//! to the fences read at start, reads the counts, reads the fences again, and
+//! if they moved, extends the recount to the new fences and reads again,
+//! until the fences read before and after the counts agree (at most
+//! `--rounds` times). On a cluster a batch lands in its slot groups one
+//! script at a time, so a partition whose groups disagree counts as moving.
+//! `--partitions` narrows the recount; it only gives a meaningful answer
+//! when the posts checked have all their events in those partitions (keyed
+//! by post), since a count sums every partition.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use rdkafka::Message;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rustc_hash::FxHashMap;
+
+use crate::domain::placement::scan;
+use crate::domain::routing::KeyLayout;
+use crate::infra::config::RunSettings;
+use crate::infra::store::Target;
+use crate::ops::{OpError, open_applier};
+use crate::pipeline::apply::Applier;
+use crate::pipeline::consume::check_topic;
+use crate::pipeline::decode::decode;
+use crate::read::{Count, Reader};
+
+/// What to verify, besides the settings shared with `tally run`.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyOptions {
+    /// Check only these posts; when empty, every post with an event or a counter.
+    pub posts: Vec<u64>,
+    /// Recount only these partitions; when empty, all of them (see the module notes).
+    pub partitions: Vec<i32>,
+    /// How many times to re-read while the fences keep moving (at least 1).
+    pub rounds: u32,
+}
+
+/// One post whose stored count differs from the recount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drift {
+    /// The post.
+    pub post_id: u64,
+    /// The sum of its events up to the fences.
+    pub expected: i64,
+    /// What readers get.
+    pub stored: i64,
+}
+
+/// What verify found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// The generation checked.
+    pub generation: u64,
+    /// Its key prefix.
+    pub prefix: String,
+    /// Posts checked.
+    pub posts: usize,
+    /// Events recounted.
+    pub events: u64,
+    /// Partitions recounted.
+    pub partitions: usize,
+    /// Posts that differ, the largest difference first.
+    pub drift: Vec<Drift>,
+}
+
+/// The in-memory recount: positions reached and sums per post.
+struct Recount {
+    consumer: BaseConsumer,
+    topic: String,
+    /// Next offset to read per partition.
+    next: HashMap<i32, i64>,
+    sums: FxHashMap<u64, i64>,
+    only: Option<BTreeSet<u64>>,
+    events: u64,
+}
+
+impl Recount {
+    /// Reads every partition on from where it stands up to `fences` (inclusive).
+    fn extend(&mut self, fences: &HashMap<i32, i64>) -> Result<(), OpError> {
+        let behind: Vec<(i32, i64)> = fences
+            .iter()
+            .filter(|&(p, &f)| self.next.get(p).is_some_and(|&n| n <= f))
+            .map(|(&p, &f)| (p, f))
+            .collect();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        let mut tpl = TopicPartitionList::new();
+        for &(p, _) in &behind {
+            tpl.add_partition_offset(&self.topic, p, Offset::Offset(self.next[&p]))
+                .map_err(OpError::kafka("positioning the recount"))?;
+        }
+        self.consumer
+            .assign(&tpl)
+            .map_err(OpError::kafka("assigning the recount's partitions"))?;
+        let mut waiting: HashMap<i32, i64> = behind.into_iter().collect();
+        let mut heard = Instant::now();
+        while !waiting.is_empty() {
+            let Some(polled) = self.consumer.poll(Duration::from_millis(200)) else {
+                if heard.elapsed() > Duration::from_secs(30) {
+                    return Err(OpError::Refused(format!(
+                        "no events for 30 s while recounting partitions {waiting:?} (partition: last fence)"
+                    )));
+                }
+                continue;
+            };
+            let message = polled.map_err(OpError::kafka("reading the topic"))?;
+            heard = Instant::now();
+            let (p, offset) = (message.partition(), message.offset());
+            let Some(&up_to) = waiting.get(&p) else {
+                continue;
+            };
+            if offset < self.next[&p] {
+                continue;
+            }
+            if offset <= up_to {
+                self.events += 1;
+                if let Ok(like) = decode(message.payload())
+                    && self.only.as_ref().is_none_or(|o| o.contains(&like.post_id))
+                {
+                    *self.sums.entry(like.post_id).or_insert(0) += like.delta;
+                }
+                self.next.insert(p, offset + 1);
+            }
+            if offset >= up_to {
+                waiting.remove(&p);
+            }
+        }
+        self.consumer
+            .unassign()
+            .map_err(OpError::kafka("ending the recount"))?;
+        Ok(())
+    }
+}
+
+/// The fence each partition has applied to in `applier`'s generation, with
+/// its origin; `None` for a partition never counted there, and an error
+/// string when its slot groups disagree (a batch is landing).
+async fn fences(
+    applier: &Applier,
+    partitions: &[i32],
+) -> Result<Result<HashMap<i32, (i64, i64)>, String>, OpError> {
+    let mut out = HashMap::new();
+    for &p in partitions {
+        let found = applier.read_fences(p).await?;
+        if let Some((origin, tracker)) = found.tracker() {
+            if tracker.resume_at() - 1 != tracker.highest() {
+                return Ok(Err(format!("partition {p}'s slot groups disagree")));
+            }
+            out.insert(p, (origin, tracker.highest()));
+        }
+    }
+    Ok(Ok(out))
+}
+
+/// Recounts the topic up to the fences and compares every post's count.
+pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Report, OpError> {
+    let (opened, applier) = open_applier(&settings).await?;
+    let kafka = &settings.kafka;
+    let reader = Reader::new(
+        opened.store.clone(),
+        opened.keys.clone(),
+        settings.buckets,
+        Duration::ZERO,
+    );
+    let (current, layout) = reader.layout().await?;
+    let applier = applier.with_keys(layout.clone());
+    let consumer: BaseConsumer = kafka
+        .secure_client_config()
+        .set("enable.partition.eof", "false")
+        .set("enable.auto.commit", "false")
+        // Never joins the group nor commits; librdkafka wants a name to assign.
+        .set("group.id", format!("{}-verify", kafka.group))
+        .create()
+        .map_err(OpError::kafka("creating the Kafka client"))?;
+    let count = check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic")?;
+    let partitions: Vec<i32> = if options.partitions.is_empty() {
+        (0..count as i32).collect()
+    } else {
+        options.partitions.clone()
+    };
+    let only = (!options.posts.is_empty()).then(|| options.posts.iter().copied().collect());
+    let mut recount = Recount {
+        consumer,
+        topic: kafka.topic.clone(),
+        next: HashMap::new(),
+        sums: FxHashMap::default(),
+        only,
+        events: 0,
+    };
+    let rounds = options.rounds.max(1);
+    let settled = settle(&mut recount, &applier, &reader, (current, &layout), &partitions, rounds)
+        .await?
+        .ok_or_else(|| {
+            OpError::Refused(format!(
+                "the fences kept moving over {rounds} rounds; pause the live group (or stop it) and verify again"
+            ))
+        })?;
+    let mut drift: Vec<Drift> = settled
+        .iter()
+        .map(|c| Drift {
+            post_id: c.post_id,
+            expected: recount.sums.get(&c.post_id).copied().unwrap_or(0),
+            stored: c.likes,
+        })
+        .filter(|d| d.expected != d.stored)
+        .collect();
+    drift.sort_by_key(|d| (std::cmp::Reverse((d.stored - d.expected).abs()), d.post_id));
+    Ok(Report {
+        generation: current,
+        prefix: layout.prefix().to_string(),
+        posts: settled.len(),
+        events: recount.events,
+        partitions: partitions.len(),
+        drift,
+    })
+}
+
+/// Extends the recount to the fences and reads the counts, until the fences
+/// read before and after the counts agree; `None` when they kept moving for
+/// `rounds` rounds.
+async fn settle(
+    recount: &mut Recount,
+    applier: &Applier,
+    reader: &Reader,
+    (current, layout): (u64, &KeyLayout),
+    partitions: &[i32],
+    rounds: u32,
+) -> Result<Option<Vec<Count>>, OpError> {
+    let mut before = fences(applier, partitions).await?;
+    for _ in 0..rounds {
+        let Ok(read) = before.clone() else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            before = fences(applier, partitions).await?;
+            continue;
+        };
+        for (&p, &(origin, _)) in &read {
+            recount.next.entry(p).or_insert(origin);
+        }
+        let up_to: HashMap<i32, i64> = read.iter().map(|(&p, &(_, f))| (p, f)).collect();
+        tokio::task::block_in_place(|| recount.extend(&up_to))?;
+        let posts: Vec<u64> = match &recount.only {
+            Some(only) => only.iter().copied().collect(),
+            None => {
+                let mut all: BTreeSet<u64> = recount.sums.keys().copied().collect();
+                all.extend(stored_posts(applier.fence_reader().target(), layout).await?);
+                all.into_iter().collect()
+            }
+        };
+        let counts = reader.counts(&posts).await?;
+        let after = fences(applier, partitions).await?;
+        if reader.layout().await?.0 != current {
+            return Err(OpError::Refused(
+                "the generation changed while verifying; run verify again".into(),
+            ));
+        }
+        if after.as_ref().ok() == Some(&read) {
+            return Ok(Some(counts));
+        }
+        before = after;
+    }
+    Ok(None)
+}
+
+/// Posts with a counter key in the generation of `layout`.
+async fn stored_posts(target: &Target, layout: &KeyLayout) -> Result<BTreeSet<u64>, OpError> {
+    let (target, layout) = (target.clone(), layout.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut posts = BTreeSet::new();
+        let pattern = format!("{}:likes:*", layout.prefix());
+        scan(&target, &pattern, |_, keys| {
+            posts.extend(
+                keys.iter()
+                    .filter_map(|k| layout.parse_counter_key(k))
+                    .map(|id| id.post_id),
+            );
+            Ok(())
+        })?;
+        Ok(posts)
+    })
+    .await?
+}

@@ -1,0 +1,277 @@
+//! Aggregate: sum one partition's likes per (post, bucket) into a batch.
+//!
+//! Invariant: a batch covers a contiguous offset range `start..=last` of one
+//! partition and holds the net delta of every good event in that range that
+//! its slot group still needs; bad events, and events their group already has,
+//! are part of the range too (they are "applied" as nothing).
+//! Nothing is allocated per event: deltas go into a hash map that is reused
+//! from batch to batch.
+
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
+
+pub use crate::domain::routing::CounterId;
+use crate::domain::slots::SlotGroups;
+
+/// Size limits that close a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Close after this many messages (good and bad).
+    pub max_events: u64,
+    /// Close after this many distinct (post, bucket) counters.
+    pub max_keys: usize,
+}
+
+/// The open batch of one partition.
+#[derive(Debug)]
+pub struct Batch {
+    start: Option<i64>,
+    last: i64,
+    messages: u64,
+    bad: u64,
+    /// Net delta and number of events per counter.
+    deltas: FxHashMap<CounterId, (i64, u32)>,
+    opened_at: Option<Instant>,
+}
+
+impl Default for Batch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self {
+            start: None,
+            last: -1,
+            messages: 0,
+            bad: 0,
+            deltas: FxHashMap::default(),
+            opened_at: None,
+        }
+    }
+
+    /// Whether the batch covers no message yet.
+    pub fn is_empty(&self) -> bool {
+        self.messages == 0
+    }
+
+    /// Opens the range at `start` on the first message (the consumer's position,
+    /// which may be below the message's own offset).
+    fn open(&mut self, start: i64, offset: i64) {
+        if self.messages == 0 {
+            self.start = Some(start.min(offset));
+            self.opened_at = Some(Instant::now());
+        }
+        self.messages += 1;
+        self.last = offset;
+    }
+
+    /// Adds a good event's delta at `offset`; `start` is where the consumer's
+    /// range began.
+    pub fn add(&mut self, start: i64, offset: i64, id: CounterId, delta: i64) {
+        self.open(start, offset);
+        let entry = self.deltas.entry(id).or_insert((0, 0));
+        entry.0 += delta;
+        entry.1 += 1;
+    }
+
+    /// Covers an event its slot group already has (after a straddle or a
+    /// crash between scripts): it extends the range and changes no counter.
+    pub fn add_applied(&mut self, start: i64, offset: i64) {
+        self.open(start, offset);
+    }
+
+    /// Adds a bad message at `offset`: it extends the range and changes no counter.
+    pub fn add_bad(&mut self, start: i64, offset: i64) {
+        self.open(start, offset);
+        self.bad += 1;
+    }
+
+    /// Whether a size limit is reached.
+    pub fn is_full(&self, limits: &Limits) -> bool {
+        self.messages >= limits.max_events || self.deltas.len() >= limits.max_keys
+    }
+
+    /// How long the batch has been open.
+    pub fn age(&self) -> std::time::Duration {
+        self.opened_at
+            .map_or(std::time::Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// Closes the batch, leaving this one empty (its map's memory is kept).
+    pub fn take(&mut self) -> Option<ClosedBatch> {
+        self.take_observed(|_, _| {})
+    }
+
+    /// Closes the batch like [`Batch::take`], first telling `observe` how many
+    /// events each counter saw (likes and unlikes alike; a post may be told
+    /// once per bucket). Hot-post detection counts activity this way, once
+    /// per batch instead of once per event.
+    pub fn take_observed(&mut self, mut observe: impl FnMut(u64, u32)) -> Option<ClosedBatch> {
+        let start = self.start.take()?;
+        let mut deltas: Vec<(CounterId, i64)> = self
+            .deltas
+            .drain()
+            .filter_map(|(id, (delta, events))| {
+                observe(id.post_id, events);
+                (delta != 0).then_some((id, delta))
+            })
+            .collect();
+        // A stable order makes scripts reproducible and logs comparable.
+        deltas.sort_unstable_by_key(|&(id, _)| id);
+        let closed = ClosedBatch {
+            start,
+            last: self.last,
+            messages: self.messages,
+            bad: self.bad,
+            deltas,
+        };
+        self.messages = 0;
+        self.bad = 0;
+        self.last = -1;
+        self.opened_at = None;
+        Some(closed)
+    }
+
+    /// Drops everything buffered (after a seek or a revoke).
+    pub fn clear(&mut self) {
+        let _ = self.take();
+    }
+}
+
+impl ClosedBatch {
+    /// An empty range at `next`: a probe of the fences.
+    pub fn probe(next: i64) -> Self {
+        Self {
+            start: next,
+            last: next - 1,
+            messages: 0,
+            bad: 0,
+            deltas: Vec::new(),
+        }
+    }
+
+    /// Whether this is a probe.
+    pub fn is_probe(&self) -> bool {
+        self.start > self.last
+    }
+
+    /// Splits the deltas by slot group (index = group).
+    pub fn split(&mut self, groups: &SlotGroups) -> Vec<Vec<(CounterId, i64)>> {
+        let mut split = vec![Vec::new(); groups.count() as usize];
+        for (id, delta) in self.deltas.drain(..) {
+            split[groups.group_of(id.post_id, id.bucket) as usize].push((id, delta));
+        }
+        split
+    }
+}
+
+/// A closed batch, ready to apply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClosedBatch {
+    /// First offset covered.
+    pub start: i64,
+    /// Last offset covered.
+    pub last: i64,
+    /// Messages in the range (good and bad).
+    pub messages: u64,
+    /// Bad messages in the range.
+    pub bad: u64,
+    /// Non-zero net deltas, sorted by counter.
+    pub deltas: Vec<(CounterId, i64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn id(post_id: u64, bucket: u32) -> CounterId {
+        CounterId::v0(post_id, bucket)
+    }
+
+    #[test]
+    fn likes_and_unlikes_net_out_and_zeros_are_dropped() {
+        let mut batch = Batch::new();
+        batch.add(10, 10, id(1, 7), 1);
+        batch.add(10, 11, id(1, 7), -1);
+        batch.add(10, 12, id(2, 7), 1);
+        batch.add(10, 13, id(2, 0), 1);
+        let closed = batch.take().unwrap();
+        assert_eq!((closed.start, closed.last, closed.messages), (10, 13, 4));
+        let total: i64 = closed.deltas.iter().map(|&(_, d)| d).sum();
+        assert_eq!(total, 2);
+        assert!(
+            closed
+                .deltas
+                .iter()
+                .all(|&(id, d)| id.post_id == 2 && d != 0)
+        );
+        assert!(batch.is_empty());
+        assert!(batch.take().is_none());
+    }
+
+    #[test]
+    fn a_batch_of_only_bad_messages_still_covers_its_range() {
+        let mut batch = Batch::new();
+        batch.add_bad(5, 7);
+        batch.add_bad(5, 8);
+        let closed = batch.take().unwrap();
+        assert_eq!((closed.start, closed.last, closed.bad), (5, 8, 2));
+        assert!(closed.deltas.is_empty());
+    }
+
+    #[test]
+    fn limits_close_batches() {
+        let limits = Limits {
+            max_events: 3,
+            max_keys: 2,
+        };
+        let mut batch = Batch::new();
+        batch.add(0, 0, id(1, 1), 1);
+        assert!(!batch.is_full(&limits));
+        batch.add(0, 1, id(2, 1), 1);
+        assert!(batch.is_full(&limits));
+    }
+
+    proptest! {
+        #[test]
+        fn batch_sums_equal_a_naive_sum(events in proptest::collection::vec((1u64..20, any::<u64>(), any::<bool>()), 1..300), buckets in 1u32..64) {
+            let mut batch = Batch::new();
+            let mut naive: BTreeMap<(u64, u32), i64> = BTreeMap::new();
+            for (i, &(post, user, up)) in events.iter().enumerate() {
+                let delta = if up { 1 } else { -1 };
+                batch.add(0, i as i64, id(post, crate::domain::routing::bucket_of(user, buckets)), delta);
+                *naive.entry((post, crate::domain::routing::bucket_of(user, buckets))).or_default() += delta;
+            }
+            naive.retain(|_, d| *d != 0);
+            let closed = batch.take().unwrap();
+            let got: BTreeMap<(u64, u32), i64> = closed.deltas.iter().map(|&(id, d)| ((id.post_id, id.bucket), d)).collect();
+            prop_assert_eq!(got, naive);
+            prop_assert_eq!(closed.last, events.len() as i64 - 1);
+        }
+
+        #[test]
+        fn splitting_by_group_keeps_every_delta(events in proptest::collection::vec((1u64..50, 0u32..16, -3i64..4), 1..200)) {
+            let groups = SlotGroups::cluster(8);
+            let mut batch = Batch::new();
+            for (i, &(post, bucket, delta)) in events.iter().enumerate() {
+                batch.add(0, i as i64, id(post, bucket), delta);
+            }
+            let mut closed = batch.take().unwrap();
+            let before = closed.deltas.clone();
+            let split = closed.split(&groups);
+            let groups = &groups;
+            let mut after: Vec<_> = split.iter().enumerate().flat_map(|(g, part)| {
+                part.iter().map(move |&(id, d)| { assert_eq!(groups.group_of(id.post_id, id.bucket), g as u32); (id, d) })
+            }).collect();
+            after.sort_unstable_by_key(|&(id, _)| id);
+            prop_assert_eq!(after, before);
+        }
+    }
+}

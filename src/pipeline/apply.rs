@@ -1,0 +1,406 @@
+//! Apply: run each slot group's share of a batch through `apply.lua` behind
+//! that group's fence.
+//!
+//! # Why every event is counted exactly once
+//!
+//! Kafka gives each partition a fixed, ordered log. Tally turns a contiguous
+//! range of that log into net deltas per counter, splits them by slot group
+//! (one group on a single server, `G` on a cluster; see [`crate::domain::slots`]), and
+//! hands each group's share to one Lua script that, atomically, compares the
+//! claimed range with the group's fence (the last offset already applied for
+//! that group), adds the deltas only when the range begins right after the
+//! fence, and moves the fence to the end of the range. Check and writes are one
+//! atomic step in one slot, so Redis never holds counts without the fence that
+//! covers them, nor a fence without its counts; a restart from an AOF or a
+//! failover to a lagging replica rolls both back together.
+//!
+//! Everything else is a consequence. A retry after a timeout finds the fence at
+//! the end of its range and does nothing. A zombie consumer's stale batch finds
+//! the fence at or past its range and does nothing. Two consumers that cut the
+//! log differently meet a straddle and the late one re-reads. A consumer killed
+//! between the scripts of one batch leaves some groups ahead of others; the
+//! next owner reads every group's fence, starts reading at the lowest, and
+//! gives each group only the events above its own fence.
+//!
+//! # Knowing every group a partition has written
+//!
+//! The slot groups are a fixed, numbered set, so there is nothing to discover:
+//! on assignment the consumer reads the fence of every group. A group whose
+//! fence key is absent, because it never received a script or because its
+//! primary lost the key, stands at the partition's *origin* minus one, the
+//! origin being the first offset tally ever counted for the partition, written
+//! once before the first batch. So a primary that loses recent writes can only
+//! move fences back, never forward, and the consumer replays from the lowest
+//! one. Groups without events are advanced with empty scripts now and then, so
+//! the lowest fence, and thus the replay after a restart, stays recent.
+//!
+//! Kafka's committed offset is written only after every script of a batch
+//! succeeded and is never trusted over the fences: it is where to look when
+//! the fences cannot be read, and the lag signal. The decision table and the
+//! consumer's bookkeeping are [`crate::domain::fence`].
+
+use std::time::Duration;
+
+use redis::{Cmd, RedisError};
+use tokio_util::sync::CancellationToken;
+
+use crate::domain::fence::{Decision, PartitionFences, Reply};
+use crate::domain::routing::{CounterId, KeyLayout};
+use crate::infra::retry::{GaveUp, RedisFailure, classify_redis, retry_redis};
+use crate::infra::store::{Shared, Target, connect_blocking};
+
+/// The script, with its header comment documenting KEYS, ARGV and replies.
+pub const APPLY_LUA: &str = include_str!("apply.lua");
+
+/// Errors that end an apply.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// Redis refused in a way no retry fixes; an operator must act.
+    #[error("Redis refused the batch: {0}")]
+    Fatal(#[source] RedisError),
+    /// The script answered something it never answers.
+    #[error("unexpected reply from apply.lua: {0}")]
+    BadReply(String),
+    /// Shutdown came first; the batch was not confirmed (safe: nothing is committed).
+    #[error("cancelled by shutdown")]
+    Cancelled,
+}
+
+impl From<GaveUp> for ApplyError {
+    fn from(gave_up: GaveUp) -> Self {
+        match gave_up {
+            GaveUp::Fatal(error) => ApplyError::Fatal(error),
+            GaveUp::Cancelled => ApplyError::Cancelled,
+        }
+    }
+}
+
+/// One slot group's share of a batch, ready to send.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Partition the batch belongs to.
+    pub partition: i32,
+    /// The slot group.
+    pub group: u32,
+    /// First offset claimed.
+    pub start: i64,
+    /// Last offset claimed.
+    pub last: i64,
+    /// Fence assumed when the group's fence key is absent (origin - 1).
+    pub absent_fence: i64,
+    /// Net deltas of the group's counters.
+    pub deltas: Vec<(CounterId, i64)>,
+}
+
+impl Prepared {
+    /// Number of counter increments the script performs when it applies.
+    pub fn increments(&self) -> usize {
+        self.deltas.len()
+    }
+}
+
+/// How a script call names its script.
+#[derive(Debug, Clone, Copy)]
+pub enum ScriptBody<'a> {
+    /// `EVALSHA` with this hash, the normal case.
+    ByHash(&'a str),
+    /// `EVAL` with the full text, after a NOSCRIPT (it also caches the script
+    /// on that server).
+    Full,
+}
+
+/// The call of `apply.lua` for one slot group's share of a batch. Keys are
+/// written into one reused buffer and copied straight into the command's
+/// argument buffer.
+pub fn script_call(
+    body: ScriptBody<'_>,
+    keys: &KeyLayout,
+    fence_key: &str,
+    prepared: &Prepared,
+) -> Cmd {
+    let mut cmd = match body {
+        ScriptBody::ByHash(sha) => {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(sha);
+            cmd
+        }
+        ScriptBody::Full => {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(APPLY_LUA);
+            cmd
+        }
+    };
+    cmd.arg(prepared.deltas.len() + 1).arg(fence_key);
+    let mut key = String::with_capacity(64);
+    for (id, _) in &prepared.deltas {
+        keys.write_counter_key(&mut key, *id);
+        cmd.arg(key.as_str());
+    }
+    cmd.arg(prepared.start)
+        .arg(prepared.last)
+        .arg(prepared.absent_fence);
+    for &(_, delta) in &prepared.deltas {
+        cmd.arg(delta);
+    }
+    cmd
+}
+
+/// Applies batches to a Redis server or cluster.
+#[derive(Clone)]
+pub struct Applier {
+    store: Shared,
+    sha: String,
+    fences: FenceReader,
+}
+
+impl Applier {
+    /// An applier for `group`'s fences of `topic` under `keys`. The script is
+    /// sent by hash and loaded on first use on each server (and again after a
+    /// flush or failover).
+    pub fn new(store: Shared, target: Target, keys: KeyLayout, group: &str, topic: &str) -> Self {
+        Self {
+            store,
+            sha: redis::Script::new(APPLY_LUA).get_hash().to_string(),
+            fences: FenceReader::new(target, keys, group, topic),
+        }
+    }
+
+    /// The same applier writing under another key layout (a new generation).
+    pub fn with_keys(&self, keys: KeyLayout) -> Self {
+        Self {
+            fences: self.fences.with_keys(keys),
+            ..self.clone()
+        }
+    }
+
+    /// The reader of this applier's fences.
+    pub fn fence_reader(&self) -> &FenceReader {
+        &self.fences
+    }
+
+    /// The shared store connection.
+    pub fn store(&self) -> &Shared {
+        &self.store
+    }
+
+    /// The key layout in use.
+    pub fn keys(&self) -> &KeyLayout {
+        &self.fences.keys
+    }
+
+    /// Records `proposed` as the partition's origin unless one exists, and
+    /// returns the origin in force.
+    pub async fn ensure_origin(&self, partition: i32, proposed: i64) -> Result<i64, RedisError> {
+        let key = self.fences.origin_key(partition);
+        self.store
+            .call(|mut store| async move {
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(proposed)
+                    .arg("NX")
+                    .query_async(&mut store)
+                    .await?;
+                redis::cmd("GET").arg(&key).query_async(&mut store).await
+            })
+            .await
+    }
+
+    fn command(&self, prepared: &Prepared, body: ScriptBody<'_>) -> Cmd {
+        let fence_key = self.fences.fence_key(prepared.partition, prepared.group);
+        script_call(body, self.keys(), &fence_key, prepared)
+    }
+
+    /// One attempt; a missing script is sent in full once.
+    pub async fn apply_once(&self, prepared: &Prepared) -> Result<Reply, RedisError> {
+        let (code, fence): (i64, i64) = self
+            .store
+            .call(|mut store| async move {
+                let by_hash = self.command(prepared, ScriptBody::ByHash(&self.sha));
+                match by_hash.query_async(&mut store).await {
+                    Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
+                        crate::infra::metrics::script_reloaded();
+                        let full = self.command(prepared, ScriptBody::Full);
+                        full.query_async(&mut store).await
+                    }
+                    other => other,
+                }
+            })
+            .await?;
+        let decision = Decision::from_code(code).ok_or_else(|| {
+            RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "apply.lua reply",
+                format!("code {code}, fence {fence}"),
+            ))
+        })?;
+        Ok(Reply { decision, fence })
+    }
+
+    /// Applies with retries on transient errors until success, a fatal error
+    /// or cancellation. Retrying is safe: the fence turns a repeat into a no-op.
+    pub async fn apply(
+        &self,
+        prepared: &Prepared,
+        cancel: &CancellationToken,
+    ) -> Result<Reply, ApplyError> {
+        let what = format!(
+            "apply partition {} group {} offsets {}..={}",
+            prepared.partition, prepared.group, prepared.start, prepared.last
+        );
+        retry_redis(&what, cancel, || self.apply_once(prepared))
+            .await
+            .map_err(|gave_up| match gave_up {
+                GaveUp::Fatal(error) if error.kind() == redis::ErrorKind::UnexpectedReturnType => {
+                    ApplyError::BadReply(error.to_string())
+                }
+                other => other.into(),
+            })
+    }
+
+    /// Reads a partition's origin and every slot group's fence.
+    pub async fn read_fences(&self, partition: i32) -> Result<PartitionFences, RedisError> {
+        self.fences.read(&self.store, partition).await
+    }
+
+    /// Records the origin, retrying like [`Applier::apply`].
+    pub async fn origin(
+        &self,
+        partition: i32,
+        proposed: i64,
+        cancel: &CancellationToken,
+    ) -> Result<i64, ApplyError> {
+        let what = format!("record origin of partition {partition}");
+        Ok(retry_redis(&what, cancel, || self.ensure_origin(partition, proposed)).await?)
+    }
+
+    /// Reads a partition's fences, retrying like [`Applier::apply`].
+    pub async fn fences(
+        &self,
+        partition: i32,
+        cancel: &CancellationToken,
+    ) -> Result<PartitionFences, ApplyError> {
+        let what = format!("read fences of partition {partition}");
+        Ok(retry_redis(&what, cancel, || self.read_fences(partition)).await?)
+    }
+}
+
+/// Reads the origin and the slot-group fences of a group's partitions: on
+/// the shared connection, or synchronously inside the Kafka rebalance
+/// callback, which cannot await (each such read opens a short-lived
+/// connection with tight timeouts).
+#[derive(Debug, Clone)]
+pub struct FenceReader {
+    target: Target,
+    keys: KeyLayout,
+    group: String,
+    topic: String,
+}
+
+impl FenceReader {
+    /// A reader of `group`'s fences of `topic` under `keys`.
+    pub fn new(target: Target, keys: KeyLayout, group: &str, topic: &str) -> Self {
+        Self {
+            target,
+            keys,
+            group: group.to_string(),
+            topic: topic.to_string(),
+        }
+    }
+
+    /// The same reader under another key layout (a new generation).
+    pub fn with_keys(&self, keys: KeyLayout) -> Self {
+        Self {
+            keys,
+            ..self.clone()
+        }
+    }
+
+    /// The store the blocking reads connect to.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// The origin key of a partition.
+    pub fn origin_key(&self, partition: i32) -> String {
+        self.keys.origin_key(&self.group, &self.topic, partition)
+    }
+
+    /// The fence key of a partition's slot group.
+    pub fn fence_key(&self, partition: i32, slot_group: u32) -> String {
+        self.keys
+            .fence_key(&self.group, &self.topic, partition, slot_group)
+    }
+
+    /// The fence keys of every slot group of a partition, in group order.
+    fn fence_keys(&self, partition: i32) -> Vec<String> {
+        (0..self.keys.groups().count())
+            .map(|g| self.fence_key(partition, g))
+            .collect()
+    }
+
+    /// Reads one partition on the shared connection, every key at once.
+    pub async fn read(
+        &self,
+        store: &Shared,
+        partition: i32,
+    ) -> Result<PartitionFences, RedisError> {
+        let origin_key = self.origin_key(partition);
+        let fence_keys = self.fence_keys(partition);
+        store
+            .call(|store| async move {
+                let mut conn = store.clone();
+                let origin: Option<i64> = redis::cmd("GET")
+                    .arg(origin_key)
+                    .query_async(&mut conn)
+                    .await?;
+                let reads = fence_keys.into_iter().map(|key| {
+                    let mut conn = store.clone();
+                    async move {
+                        redis::cmd("GET")
+                            .arg(key)
+                            .query_async::<Option<i64>>(&mut conn)
+                            .await
+                    }
+                });
+                let fences = futures::future::try_join_all(reads).await?;
+                Ok(PartitionFences { origin, fences })
+            })
+            .await
+    }
+
+    /// Reads each partition in order, synchronously.
+    pub fn read_blocking(&self, partitions: &[i32]) -> Result<Vec<PartitionFences>, RedisError> {
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = connect_blocking(&self.target, Duration::from_secs(2))?;
+        let mut all = Vec::with_capacity(partitions.len());
+        for &p in partitions {
+            let origin: Option<i64> = redis::cmd("GET")
+                .arg(self.origin_key(p))
+                .query(conn.as_mut())?;
+            let mut fences = Vec::with_capacity(self.keys.groups().count() as usize);
+            for key in self.fence_keys(p) {
+                fences.push(redis::cmd("GET").arg(key).query(conn.as_mut())?);
+            }
+            all.push(PartitionFences { origin, fences });
+        }
+        Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_script_documents_its_contract() {
+        assert!(APPLY_LUA.starts_with("-- apply.lua"));
+        for needle in ["KEYS[1]", "ARGV[1]", "ARGV[2]", "ARGV[3]", "Returns"] {
+            assert!(
+                APPLY_LUA.contains(needle),
+                "apply.lua header lacks {needle}"
+            );
+        }
+    }
+}

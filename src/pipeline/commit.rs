@@ -1,0 +1,70 @@
+//! Commit: tell Kafka how far Redis is, after Redis has it.
+//!
+//! Invariant: an offset is committed only after the script covering it
+//! succeeded, and the committed value is `last + 1` (the next offset to read,
+//! as Kafka defines it). Commits are a hint and the lag signal: a lost or late
+//! commit only means a new owner re-reads a little and the fence discards it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tracing::{debug, warn};
+
+use crate::pipeline::consume::LikeConsumer;
+
+/// Tracks applied positions and commits them.
+#[derive(Debug, Default)]
+pub struct Committer {
+    topic: String,
+    applied: HashMap<i32, i64>,
+}
+
+impl Committer {
+    /// A committer for one topic.
+    pub fn new(topic: &str) -> Self {
+        Self {
+            topic: topic.to_string(),
+            applied: HashMap::new(),
+        }
+    }
+
+    /// Records that everything through `last` of `partition` is in Redis and
+    /// commits `last + 1` asynchronously.
+    pub fn applied(&mut self, consumer: &LikeConsumer, partition: i32, last: i64) {
+        let next = last + 1;
+        self.applied.insert(partition, next);
+        let mut tpl = TopicPartitionList::new();
+        if tpl
+            .add_partition_offset(&self.topic, partition, Offset::Offset(next))
+            .is_ok()
+            && let Err(error) = consumer.commit(&tpl, CommitMode::Async)
+        {
+            crate::infra::metrics::commit_failed();
+            debug!(partition, next, %error, "Async commit not queued.");
+        }
+    }
+
+    /// Forgets a partition this consumer no longer owns.
+    pub fn forget(&mut self, partition: i32) {
+        self.applied.remove(&partition);
+    }
+
+    /// Commits every known position synchronously (at shutdown).
+    pub fn commit_all(&self, consumer: &LikeConsumer) {
+        if self.applied.is_empty() {
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (&partition, &next) in &self.applied {
+            let _ = tpl.add_partition_offset(&self.topic, partition, Offset::Offset(next));
+        }
+        if let Err(error) = consumer.commit(&tpl, CommitMode::Sync) {
+            crate::infra::metrics::commit_failed();
+            warn!(%error, "Final offset commit failed; the next owner resumes from the fences.");
+        }
+        // Give librdkafka a moment to flush an async commit still queued.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,290 @@
+//! Consume: the Kafka consumer, and where each assignment learns its fence.
+//!
+//! Invariant: a partition is never read from a position tally invented. On every
+//! assignment (not only at start-up) the rebalance callback reads the
+//! partition's fence from Redis and assigns the partition at `fence + 1`, so
+//! consumption resumes exactly where Redis is, whatever Kafka's committed offset
+//! says. When the fence cannot be read (Redis unreachable during a rebalance),
+//! the partition starts at the committed offset and the first script call
+//! corrects the position: the fence check never depends on this read.
+//!
+//! Offsets are never auto-committed or auto-stored: see [`crate::pipeline::commit`].
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rdkafka::ClientContext;
+use rdkafka::consumer::{
+    BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use tracing::{debug, error, info, warn};
+
+use crate::domain::fence::PartitionFences;
+use crate::infra::config::{KafkaSettings, kafka_client_config};
+use crate::pipeline::apply::FenceReader;
+
+/// A partition handed to this consumer, with the fences found for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// The partition.
+    pub partition: i32,
+    /// Origin and slot-group fences read from Redis; `None` when unreadable.
+    pub fences: Option<PartitionFences>,
+}
+
+/// A change of ownership, queued by the rebalance callback for the main loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rebalanced {
+    /// Partitions now owned, already positioned at their fences.
+    Assigned(Vec<Assignment>),
+    /// Partitions no longer owned.
+    Revoked(Vec<i32>),
+    /// The assignment was lost in an error; nothing is owned.
+    Lost,
+}
+
+/// Consumer context: positions assignments at their fences and queues the
+/// changes for the main loop, which drains them after every poll.
+pub struct TallyContext {
+    topic: String,
+    /// Replaced when the key generation changes (see [`crate::domain::generation`]).
+    fences: Mutex<FenceReader>,
+    queue: Mutex<Vec<Rebalanced>>,
+}
+
+impl TallyContext {
+    /// A context for one topic.
+    pub fn new(topic: &str, fences: FenceReader) -> Self {
+        Self {
+            topic: topic.to_string(),
+            fences: Mutex::new(fences),
+            queue: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Reads fences with `fences` from now on: every later assignment starts
+    /// at the fences of the generation it names.
+    pub fn set_fences(&self, fences: FenceReader) {
+        *self.fences.lock().unwrap_or_else(|e| e.into_inner()) = fences;
+    }
+
+    /// Takes the ownership changes queued since the last call.
+    pub fn take_changes(&self) -> Vec<Rebalanced> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn push(&self, change: Rebalanced) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(change);
+    }
+
+    /// Reads fences with a few quick retries; gives up rather than stall the group.
+    fn read_fences(&self, partitions: &[i32]) -> Option<Vec<PartitionFences>> {
+        let reader = self
+            .fences
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for attempt in 1..=3 {
+            match reader.read_blocking(partitions) {
+                Ok(fences) => return Some(fences),
+                Err(error) => {
+                    warn!(attempt, %error, "Cannot read fences during rebalance.");
+                    std::thread::sleep(Duration::from_millis(200 * attempt));
+                }
+            }
+        }
+        None
+    }
+
+    fn on_assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
+        let partitions: Vec<i32> = tpl
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        let fences = self.read_fences(&partitions);
+        let mut assignments = Vec::with_capacity(partitions.len());
+        let mut resume = Vec::with_capacity(partitions.len());
+        for (i, &partition) in partitions.iter().enumerate() {
+            let found = fences.as_ref().map(|f| f[i].clone());
+            let offset = found.as_ref().and_then(PartitionFences::resume_from);
+            if let Some(offset) = offset
+                && let Err(error) = tpl.set_partition_offset(&self.topic, partition, offset)
+            {
+                error!(partition, %error, "Cannot position partition at its fence.");
+            }
+            resume.push(match (offset, &found) {
+                (Some(Offset::Offset(o)), _) => format!("{partition}@{o}"),
+                (Some(_), _) => format!("{partition}@beginning(origin lost)"),
+                (None, Some(_)) => format!("{partition}@committed"),
+                (None, None) => format!("{partition}@committed(fences unreadable)"),
+            });
+            assignments.push(Assignment {
+                partition,
+                fences: found,
+            });
+        }
+        info!(partitions = %resume.join(" "), "Partitions assigned.");
+        self.push(Rebalanced::Assigned(assignments));
+        let result = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
+            _ => consumer.assign(tpl),
+        };
+        if let Err(error) = result {
+            error!(%error, "Assigning partitions failed.");
+        }
+    }
+
+    fn on_revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        let partitions: Vec<i32> = tpl
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        info!(?partitions, "Partitions revoked.");
+        self.push(Rebalanced::Revoked(partitions));
+        let result = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
+            _ => consumer.unassign(),
+        };
+        if let Err(error) = result {
+            warn!(%error, "Unassigning partitions failed.");
+        }
+    }
+}
+
+impl ClientContext for TallyContext {
+    /// librdkafka's statistics (every `statistics.interval.ms`): per owned
+    /// partition, the messages between the high watermark and the last
+    /// commit, which tally makes only after a batch is applied.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        for topic in statistics.topics.values() {
+            for (&partition, p) in &topic.partitions {
+                if partition >= 0 && p.desired && p.consumer_lag >= 0 {
+                    crate::infra::metrics::consumer_lag(partition, p.consumer_lag);
+                }
+            }
+        }
+    }
+}
+
+impl ConsumerContext for TallyContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.on_assign(consumer, tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.on_revoke(consumer, tpl),
+            other => {
+                error!(error = ?other, "Rebalance failed; dropping the assignment.");
+                self.push(Rebalanced::Lost);
+                if let Err(error) = consumer.unassign() {
+                    warn!(%error, "Unassigning after a failed rebalance failed.");
+                }
+            }
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(error) = result {
+            crate::infra::metrics::commit_failed();
+            debug!(%error, "Offset commit failed (the fence in Redis stays authoritative).");
+        }
+    }
+}
+
+/// The consumer type tally runs.
+pub type LikeConsumer = StreamConsumer<TallyContext>;
+
+/// Creates the consumer of `group`: manual commits, nothing stored
+/// automatically; `kafka`'s security and extra settings apply on top of
+/// tally's defaults, but never over the group and the commit settings.
+pub fn create_consumer(
+    kafka: &KafkaSettings,
+    group: &str,
+    context: TallyContext,
+) -> KafkaResult<LikeConsumer> {
+    let mut config = kafka_client_config(&kafka.brokers, &[]);
+    config
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        // An idle fetch waits at most this long; the default (500 ms) shows up
+        // directly as produce-to-visible latency on brokers that hold fetches.
+        .set("fetch.wait.max.ms", "100")
+        .set("statistics.interval.ms", "5000")
+        // Incremental rebalancing: a consumer joining or leaving moves only
+        // the partitions that change hands; the others keep flowing.
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("client.id", "tally");
+    for (key, value) in kafka.properties() {
+        config.set(key, value);
+    }
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    config.create_with_context(context)
+}
+
+/// Why the topic cannot be consumed.
+#[derive(Debug, thiserror::Error)]
+pub enum TopicError {
+    /// No broker answered.
+    #[error(
+        "cannot reach Kafka at {brokers}: {source} (is the broker running? check --brokers / TALLY_BROKERS)"
+    )]
+    Unreachable {
+        /// Bootstrap servers.
+        brokers: String,
+        /// The client error.
+        source: KafkaError,
+    },
+    /// The topic is absent.
+    #[error("topic '{topic}' does not exist on {brokers}; create it or fix --{flag}")]
+    Missing {
+        /// The topic.
+        topic: String,
+        /// Bootstrap servers.
+        brokers: String,
+        /// The flag naming it.
+        flag: &'static str,
+    },
+}
+
+/// Checks the brokers answer and the topic exists; returns its partition count.
+pub fn check_topic<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    brokers: &str,
+    topic: &str,
+    flag: &'static str,
+) -> Result<usize, TopicError> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(|source| TopicError::Unreachable {
+            brokers: brokers.to_string(),
+            source,
+        })?;
+    let missing = || TopicError::Missing {
+        topic: topic.to_string(),
+        brokers: brokers.to_string(),
+        flag,
+    };
+    let found = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(missing)?;
+    if found.error().is_some() || found.partitions().is_empty() {
+        return Err(missing());
+    }
+    Ok(found.partitions().len())
+}

@@ -1,0 +1,684 @@
+//! Run: the pipeline of `tally run`, wiring the stages of the data path.
+//!
+//! consume → decode → aggregate → apply (Lua, fence) → commit.
+//!
+//! Invariants kept here:
+//! * per partition, at most one batch is in flight and batches are applied in
+//!   offset order; the scripts of one batch (one per slot group) run
+//!   concurrently, and so do batches of different partitions, up to
+//!   `--max-in-flight` batches;
+//! * an event is added to a batch only if its slot group's fence is below it,
+//!   so groups left ahead by a crash between scripts are not given it twice;
+//! * a batch covers a contiguous range that starts at the position the
+//!   partition was read from, so the fence can tell a continuation from a gap;
+//! * after any reply that moves a group's fence elsewhere than the batch's end
+//!   (straddle, gap, a duplicate ahead), the partition's buffer is dropped and
+//!   reading restarts at the lowest fence;
+//! * a revoked partition's buffer is dropped; a batch already in flight may
+//!   finish (the fence keeps it exact) but is never committed by this owner;
+//! * everything is bounded: a partition whose batch is full and still waiting
+//!   stops the consumer from fetching until Redis catches up;
+//! * (live mode) no batch is dispatched while the freeze flag names the next
+//!   generation, and when the generation pointer moves, every batch in flight
+//!   finishes before the keys change; every owned partition then restarts at
+//!   its fences in the new generation (see [`crate::ops::rebuild`] for the cut-over).
+//!
+//! Parts: `intake` (ownership changes, and messages entering a partition's
+//! batch), `scripts` (a closed batch planned and sent as one script per slot
+//! group), `follow` (switching generations); this file runs the loop.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use rdkafka::Message;
+use rdkafka::consumer::Consumer;
+use rdkafka::producer::FutureProducer;
+use rdkafka::topic_partition_list::Offset;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::domain::fence::Decision;
+use crate::domain::generation::{self, GenerationWatch};
+use crate::domain::layout::{self, OpenStore};
+use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
+use crate::infra::config::{ConfigError, KafkaSettings, RunSettings};
+use crate::infra::metrics;
+use crate::infra::store::ConnectError;
+use crate::pipeline::aggregate::{ClosedBatch, Limits};
+use crate::pipeline::apply::{Applier, ApplyError};
+use crate::pipeline::commit::Committer;
+use crate::pipeline::consume::{self, LikeConsumer, TallyContext, TopicError};
+use crate::pipeline::dead_letter::DeadLetters;
+use crate::pipeline::decode::BadReason;
+use crate::pipeline::hot::{Detector, Policy};
+
+mod follow;
+mod intake;
+mod scripts;
+
+use intake::{IdleOwnership, Owned};
+use scripts::{Done, Finished, Job, plan};
+
+/// Why `tally run` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A flag is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Redis is unreachable or refused at start-up.
+    #[error(transparent)]
+    Redis(#[from] ConnectError),
+    /// The brokers or a topic are unavailable at start-up.
+    #[error(transparent)]
+    Topic(#[from] TopicError),
+    /// The Kafka client could not be created.
+    #[error("cannot create the Kafka client: {0} (check -X settings)")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    /// A batch hit an error no retry fixes; nothing past it was committed.
+    #[error("partition {partition}: {source}")]
+    Apply {
+        /// The partition.
+        partition: i32,
+        /// The error.
+        source: ApplyError,
+    },
+}
+
+/// How a pipeline names its consumer group and its keys.
+#[derive(Debug, Clone)]
+pub struct Mode {
+    /// The Kafka consumer group id. Fences are always kept under
+    /// `--group`; a rebuild reads with a group of its own but writes the live
+    /// group's fences in its generation.
+    pub kafka_group: String,
+    /// Write under this key prefix for the whole run; `None` follows the
+    /// generation pointer (and the freeze flag), as `tally run` does.
+    pub fixed_prefix: Option<String>,
+}
+
+impl Mode {
+    /// `tally run`: the group is `--group`, the keys follow the pointer.
+    pub fn live(settings: &RunSettings) -> Self {
+        Self {
+            kafka_group: settings.kafka.group.clone(),
+            fixed_prefix: None,
+        }
+    }
+}
+
+/// A live pipeline's generation: the one it writes, and the freeze it honours.
+struct Following {
+    watch: GenerationWatch,
+    current: u64,
+    /// Since when new batches are held for a freeze.
+    frozen_since: Option<Instant>,
+}
+
+impl Following {
+    /// Whether new batches are held: the freeze was seen on a tick, or the
+    /// watch has read it since (ticks wait while messages keep arriving).
+    fn frozen(&self) -> bool {
+        self.frozen_since.is_some() || self.watch.current().frozen_for.is_some()
+    }
+}
+
+/// How often a caught-up partition probes its fences, and how often a slot
+/// group without events gets an empty script to keep its fence recent.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Runs the aggregator until `shutdown` is cancelled or a fatal error.
+pub async fn run(settings: RunSettings, shutdown: CancellationToken) -> Result<(), RunError> {
+    let mode = Mode::live(&settings);
+    run_with(settings, mode, shutdown).await
+}
+
+/// Runs the pipeline in `mode` until `shutdown` is cancelled or a fatal error.
+///
+/// Start-up, in order: check the settings, open the store, find the
+/// generation to write, read the routing registry, create the consumer and
+/// check the topics; only then subscribe.
+pub async fn run_with(
+    settings: RunSettings,
+    mode: Mode,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    if let Some(problem) = settings.problems().into_iter().next() {
+        return Err(problem.into());
+    }
+    let opened = layout::open(&settings.store).await?;
+    let unreadable = |source| ConnectError {
+        url: opened.url.shown().to_string(),
+        source,
+    };
+    let following = follow_pointer(&opened, &settings, &mode, &shutdown)
+        .await
+        .map_err(unreadable)?;
+    let prefix = match (&mode.fixed_prefix, &following) {
+        (Some(prefix), _) => prefix.clone(),
+        (None, Some(f)) => generation::prefix_of(settings.store.prefix(), f.current),
+        (None, None) => unreachable!("a live pipeline follows the pointer"),
+    };
+    let kafka = &settings.kafka;
+    let applier = Applier::new(
+        opened.store.clone(),
+        opened.target().clone(),
+        opened.keys.with_prefix(prefix),
+        &kafka.group,
+        &kafka.topic,
+    );
+    let route_stop = shutdown.child_token();
+    let routes = Routes::new(
+        applier.store().clone(),
+        applier.keys().clone(),
+        settings.buckets,
+    );
+    let watch = RouteWatch::start(
+        routes.clone(),
+        settings.hot.route_refresh,
+        route_stop.clone(),
+    )
+    .await
+    .map_err(unreadable)?;
+    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
+    let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
+    let partitions = consume::check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic")?;
+    let dead_letters = dead_letters(&consumer, kafka)?;
+    metrics::describe(&BadReason::ALL.map(BadReason::as_str));
+    consumer.subscribe(&[&kafka.topic])?;
+    info!(
+        topic = %kafka.topic,
+        partitions,
+        group = %mode.kafka_group,
+        fence_group = %kafka.group,
+        buckets = settings.buckets,
+        prefix = %applier.keys().prefix(),
+        promote_above = settings.hot.promote_above,
+        routed_posts = watch.current().routed_posts(),
+        "Consuming."
+    );
+    let mut pipeline = Pipeline::new(
+        settings,
+        consumer,
+        applier,
+        (routes, watch, route_stop),
+        following,
+        dead_letters,
+    );
+    let result = pipeline.consume(&shutdown).await;
+    pipeline.drain().await;
+    result
+}
+
+/// A live pipeline's view of the generation pointer; `None` for a pipeline
+/// whose keys are fixed for the run.
+async fn follow_pointer(
+    opened: &OpenStore,
+    settings: &RunSettings,
+    mode: &Mode,
+    shutdown: &CancellationToken,
+) -> Result<Option<Following>, redis::RedisError> {
+    if mode.fixed_prefix.is_some() {
+        return Ok(None);
+    }
+    let watch = GenerationWatch::start(
+        opened.store.clone(),
+        settings.store.prefix().to_string(),
+        settings.hot.route_refresh,
+        shutdown.child_token(),
+    )
+    .await?;
+    Ok(Some(Following {
+        current: watch.current().current,
+        watch,
+        frozen_since: None,
+    }))
+}
+
+/// The dead-letter producer, after checking its topic exists.
+fn dead_letters(
+    consumer: &LikeConsumer,
+    kafka: &KafkaSettings,
+) -> Result<Option<Arc<DeadLetters>>, RunError> {
+    let Some(topic) = &kafka.dead_letter_topic else {
+        return Ok(None);
+    };
+    consume::check_topic(consumer, &kafka.brokers, topic, "dead-letter-topic")?;
+    let producer: FutureProducer = kafka
+        .secure_client_config()
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()?;
+    Ok(Some(Arc::new(DeadLetters::new(
+        producer,
+        topic,
+        &kafka.topic,
+    ))))
+}
+
+struct Pipeline {
+    settings: RunSettings,
+    limits: Limits,
+    flush_after: Duration,
+    consumer: LikeConsumer,
+    applier: Applier,
+    routes: Routes,
+    watch: RouteWatch,
+    /// Stops `watch`'s refresh task when the generation changes.
+    route_stop: CancellationToken,
+    /// `None` when the keys are fixed for the run (a rebuild).
+    following: Option<Following>,
+    /// The registry view events are routed with; replaced by a newer one on
+    /// every tick, and before any event it is too old for.
+    table: Arc<RouteTable>,
+    detector: Option<Detector>,
+    /// The task sharing the last second's hot-post counts.
+    sharing: Option<JoinHandle<()>>,
+    dead_letters: Option<Arc<DeadLetters>>,
+    committer: Committer,
+    owned: HashMap<i32, Owned>,
+    /// Partitions with a batch in flight; outlives ownership, so a revoked
+    /// partition's late batch still blocks the next one of a new ownership.
+    busy: HashSet<i32>,
+    in_flight: FuturesUnordered<JoinHandle<Done>>,
+    epochs: u64,
+    /// A full batch is waiting for its partition or for a free slot.
+    blocked: bool,
+    /// Cancelled when shutdown gives up waiting for in-flight batches.
+    abandon: CancellationToken,
+    idle: IdleOwnership,
+}
+
+impl Pipeline {
+    fn new(
+        settings: RunSettings,
+        consumer: LikeConsumer,
+        applier: Applier,
+        (routes, watch, route_stop): (Routes, RouteWatch, CancellationToken),
+        following: Option<Following>,
+        dead_letters: Option<Arc<DeadLetters>>,
+    ) -> Self {
+        let detector = (settings.hot.promote_above > 0).then(|| {
+            Detector::new(Policy {
+                promote_above: settings.hot.promote_above,
+                hot_buckets: settings.hot.hot_buckets,
+            })
+        });
+        Pipeline {
+            limits: Limits {
+                max_events: settings.batching.max_events,
+                max_keys: settings.batching.max_keys,
+            },
+            flush_after: settings.batching.flush_interval,
+            committer: Committer::new(&settings.kafka.topic),
+            settings,
+            consumer,
+            applier,
+            routes,
+            table: watch.current(),
+            watch,
+            route_stop,
+            following,
+            detector,
+            sharing: None,
+            dead_letters,
+            owned: HashMap::new(),
+            busy: HashSet::new(),
+            in_flight: FuturesUnordered::new(),
+            epochs: 0,
+            blocked: false,
+            abandon: CancellationToken::new(),
+            idle: IdleOwnership::default(),
+        }
+    }
+
+    async fn consume(&mut self, shutdown: &CancellationToken) -> Result<(), RunError> {
+        let tick_every = (self.flush_after / 2).max(Duration::from_millis(5));
+        let mut tick = tokio::time::interval(tick_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            self.apply_rebalances();
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                Some(joined) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.finish(joined)?;
+                    self.dispatch_ready(false);
+                }
+                received = self.consumer.recv(), if !self.blocked => {
+                    match received {
+                        Ok(message) => {
+                            let partition = message.partition();
+                            let timestamp = message.timestamp().to_millis().unwrap_or(0);
+                            if self.table.readiness(timestamp) != Readiness::Ready {
+                                self.table = self.watch.ready_for(timestamp).await;
+                            }
+                            let changes = self.consumer.context().take_changes();
+                            let groups = self.applier.keys().groups().count() as usize;
+                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
+                                self.blocked = false;
+                            }
+                            let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, self.dead_letters.as_deref());
+                            drop(message);
+                            if accepted { self.after_accept(partition); }
+                        }
+                        Err(error) => warn!(%error, "Kafka consumer error."),
+                    }
+                }
+                _ = tick.tick() => {
+                    self.follow_generation(shutdown).await?;
+                    self.table = self.watch.current();
+                    self.detect();
+                    self.retry_seeks();
+                    self.dispatch_ready(false);
+                    self.report_idle();
+                }
+            }
+        }
+    }
+
+    /// Says so when the consumer has owned no partition for long.
+    fn report_idle(&mut self) {
+        if let Some(idle) = self.idle.observe(!self.owned.is_empty(), Instant::now()) {
+            warn!(
+                idle_secs = idle.as_secs(),
+                group = %self.settings.kafka.group,
+                "No partition assigned for {} s: either the group has more members than the topic has \
+                 partitions, or its coordinator has not completed a rebalance (-X debug=cgrp shows \
+                 librdkafka's side of it).",
+                idle.as_secs()
+            );
+        }
+    }
+
+    /// Applies ownership changes queued by the rebalance callback.
+    fn apply_rebalances(&mut self) {
+        let changes = self.consumer.context().take_changes();
+        let groups = self.applier.keys().groups().count() as usize;
+        if intake::apply_changes(
+            &mut self.owned,
+            &mut self.committer,
+            &mut self.epochs,
+            groups,
+            changes,
+        ) {
+            self.blocked = false;
+        }
+    }
+
+    fn after_accept(&mut self, partition: i32) {
+        // Ownership changes queued during recv() take effect before anything else.
+        self.apply_rebalances();
+        let full = self
+            .owned
+            .get(&partition)
+            .is_some_and(|s| s.batch.is_full(&self.limits));
+        if full {
+            self.dispatch(partition);
+            self.blocked = self
+                .owned
+                .get(&partition)
+                .is_some_and(|s| s.batch.is_full(&self.limits));
+        }
+    }
+
+    /// Dispatches every batch that is full or old enough (or any, when
+    /// flushing), and probes the fences of partitions that are caught up.
+    fn dispatch_ready(&mut self, flush_all: bool) {
+        let ready: Vec<i32> = self
+            .owned
+            .iter()
+            .filter(|(p, s)| {
+                !self.busy.contains(p)
+                    && if s.batch.is_empty() {
+                        !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
+                    } else {
+                        flush_all
+                            || s.batch.is_full(&self.limits)
+                            || s.batch.age() >= self.flush_after
+                    }
+            })
+            .map(|(&p, _)| p)
+            .collect();
+        for partition in ready {
+            self.dispatch(partition);
+        }
+        self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
+    }
+
+    /// Sends a partition's batch (or, when it has none, a probe of its fences)
+    /// to Redis if the partition is idle, a slot is free and no freeze holds.
+    fn dispatch(&mut self, partition: i32) {
+        if self.busy.contains(&partition)
+            || self.busy.len() >= self.settings.batching.max_in_flight
+            || self.following.as_ref().is_some_and(Following::frozen)
+        {
+            return;
+        }
+        let Some(state) = self.owned.get_mut(&partition) else {
+            return;
+        };
+        if state.pending_seek.is_some() {
+            return;
+        }
+        let taken = match self.detector.as_mut() {
+            Some(detector) => state
+                .batch
+                .take_observed(|post, events| detector.observe(post, events)),
+            None => state.batch.take(),
+        };
+        let mut batch = match (taken, state.next) {
+            (Some(batch), _) => batch,
+            (None, Some(next)) if state.known.is_some() => ClosedBatch::probe(next),
+            (None, _) => return,
+        };
+        let groups = self.applier.keys().groups().clone();
+        let single = groups.count() == 1;
+        // Scripts are planned here when the fences are known; otherwise the
+        // task establishes them first.
+        let planned = state.known.as_ref().map(|known| {
+            let probe = batch.is_probe();
+            let advanced_at = &mut state.advanced_at;
+            plan(partition, &mut batch, &groups, known, |g| {
+                let due = single || probe || advanced_at[g as usize].elapsed() >= PROBE_EVERY;
+                if due {
+                    advanced_at[g as usize] = Instant::now();
+                }
+                due
+            })
+        });
+        let job = Job {
+            partition,
+            epoch: state.epoch,
+            batch,
+            planned,
+            assigned: state.assigned.take(),
+            letters: std::mem::take(&mut state.letters),
+            groups,
+            applier: self.applier.clone(),
+            dead_letters: self.dead_letters.clone(),
+            abandon: self.abandon.clone(),
+            pause: self.settings.test_script_pause,
+        };
+        self.busy.insert(partition);
+        self.in_flight.push(tokio::spawn(job.run()));
+    }
+
+    /// Closes a second of hot-post detection: shares its counts and promotes
+    /// what crossed the threshold, in a task (one at a time; a second whose
+    /// predecessor is still being shared is skipped).
+    fn detect(&mut self) {
+        let Some(detector) = self.detector.as_mut() else {
+            return;
+        };
+        let Some(report) = detector.tick((wall_ms() / 1000) as u64) else {
+            return;
+        };
+        if self
+            .sharing
+            .as_ref()
+            .is_some_and(|task| !task.is_finished())
+        {
+            return;
+        }
+        let policy = detector.policy();
+        let store = self.applier.store().clone();
+        let keys = self.applier.keys().clone();
+        let routes = self.routes.clone();
+        let table = self.table.clone();
+        let watch = self.watch.clone();
+        self.sharing = Some(tokio::spawn(async move {
+            match policy.share(report, &store, &keys, &routes, &table).await {
+                Ok(promoted) if !promoted.is_empty() => watch.refresh_soon(),
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(%error, "Sharing hot-post counts failed; this second is skipped.");
+                }
+            }
+        }));
+    }
+
+    /// Handles the reply to a batch.
+    fn finish(&mut self, joined: Result<Done, tokio::task::JoinError>) -> Result<(), RunError> {
+        let done = match joined {
+            Ok(done) => done,
+            Err(error) => {
+                // A panicked apply task: nothing was committed for it.
+                warn!(%error, "Apply task failed.");
+                return Ok(());
+            }
+        };
+        self.busy.remove(&done.partition);
+        let partition = done.partition;
+        let finished = match done.result {
+            Ok(finished) => finished,
+            Err(ApplyError::Cancelled) => return Ok(()),
+            Err(source) => return Err(RunError::Apply { partition, source }),
+        };
+        let probe = done.start > done.last;
+        let current = self
+            .owned
+            .get_mut(&partition)
+            .filter(|s| s.epoch == done.epoch);
+        let (established, replies) = match finished {
+            Finished::Resync { known } => {
+                metrics::batch_done(false, done.messages, done.bad, 0, done.took);
+                let Some(state) = current else { return Ok(()) };
+                let resume = known.1.resume_at();
+                state.known = Some(known);
+                info!(
+                    partition,
+                    resume,
+                    "Fences found ahead of or behind this read; re-reading from the lowest."
+                );
+                return self.resync(partition, resume);
+            }
+            Finished::Scripts {
+                established,
+                replies,
+            } => (established, replies),
+        };
+        let increments: usize = replies
+            .iter()
+            .filter(|(_, r, _)| r.decision == Decision::Apply)
+            .map(|&(_, _, keys)| keys)
+            .sum();
+        for &(_, reply, keys) in &replies {
+            metrics::script_done(reply.decision.as_str(), keys);
+        }
+        let Some(state) = current else {
+            metrics::batch_done(true, done.messages, done.bad, increments, done.took);
+            return Ok(());
+        };
+        state.verified_at = Instant::now();
+        if let Some(known) = established {
+            state.known = Some(known);
+        }
+        let tracker = &mut state.known.as_mut().expect("fences known after a batch").1;
+        let mut continues = true;
+        for &(group, reply, _) in &replies {
+            continues &= tracker.record(group, done.last, reply);
+        }
+        if !probe || !continues {
+            metrics::batch_done(continues, done.messages, done.bad, increments, done.took);
+        }
+        if continues {
+            if !probe {
+                self.committer.applied(&self.consumer, partition, done.last);
+                metrics::applied_offset(partition, done.last);
+            }
+            return Ok(());
+        }
+        let resume = tracker.resume_at();
+        let found: Vec<String> = replies
+            .iter()
+            .filter(|(_, r, _)| r.fence != done.last && r.decision != Decision::Apply)
+            .map(|(g, r, _)| format!("{g}:{:?}@{}", r.decision, r.fence))
+            .collect();
+        warn!(partition, start = done.start, last = done.last, resume, groups = %found.join(" "), "Fences do not continue this batch; re-reading from the lowest.");
+        self.resync(partition, resume)
+    }
+
+    /// Drops the partition's buffer and moves the consumer to `resume`.
+    fn resync(&mut self, partition: i32, resume: i64) -> Result<(), RunError> {
+        metrics::resynced();
+        let Some(state) = self.owned.get_mut(&partition) else {
+            return Ok(());
+        };
+        state.batch.clear();
+        state.letters.clear();
+        state.next = Some(resume);
+        state.pending_seek = Some(resume);
+        self.retry_seeks();
+        Ok(())
+    }
+
+    /// Tries every pending seek once; failures are retried on the next tick.
+    fn retry_seeks(&mut self) {
+        for (&partition, state) in self.owned.iter_mut() {
+            let Some(resume) = state.pending_seek else {
+                continue;
+            };
+            let offset = Offset::Offset(resume);
+            match self.consumer.seek(
+                &self.settings.kafka.topic,
+                partition,
+                offset,
+                Duration::from_secs(2),
+            ) {
+                Ok(()) => state.pending_seek = None,
+                Err(error) => debug!(partition, resume, %error, "Seek not accepted yet; retrying."),
+            }
+        }
+    }
+
+    /// Shutdown: stop fetching, flush what is buffered, wait (bounded) for the
+    /// scripts in flight, commit what landed.
+    async fn drain(&mut self) {
+        let deadline = tokio::time::Instant::now() + self.settings.batching.shutdown_timeout;
+        self.apply_rebalances();
+        self.dispatch_ready(true);
+        while !self.in_flight.is_empty() {
+            tokio::select! {
+                Some(joined) = self.in_flight.next() => {
+                    if let Err(error) = self.finish(joined) {
+                        warn!(%error, "Batch failed during shutdown; it will be replayed by the next owner.");
+                    }
+                    self.dispatch_ready(true);
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    warn!(batches = self.in_flight.len(), "Shutdown timeout: abandoning batches in flight (they are not committed and will be replayed).");
+                    self.abandon.cancel();
+                    while let Some(joined) = self.in_flight.next().await {
+                        let _ = self.finish(joined);
+                    }
+                }
+            }
+        }
+        self.committer.commit_all(&self.consumer);
+        info!("Stopped.");
+    }
+}

@@ -1,0 +1,177 @@
+//! Following the generation pointer in a live pipeline.
+//!
+//! Invariant: a live pipeline writes one generation at a time. While the
+//! freeze flag names the next generation it dispatches nothing new (the flag
+//! expires by itself, so a dead rebuild cannot hold it for long); when the
+//! pointer moves it lets every batch in flight finish where it started, then
+//! points its applier, its rebalance fence reader and its routing registry at
+//! the new generation and restarts every owned partition at that
+//! generation's fences. Nothing it buffered is carried over: the new fences
+//! alone say what is left to apply, and a write racing another writer of the
+//! same generation (the rebuild finishing its last batch) is settled by them.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use rdkafka::consumer::Consumer;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::{Pipeline, RunError};
+use crate::domain::generation;
+use crate::domain::versions::{RouteWatch, Routes};
+use crate::pipeline::apply::ApplyError;
+
+impl Pipeline {
+    /// Applies what the generation watch last read: a freeze starts or ends,
+    /// or the pointer moved.
+    pub(super) async fn follow_generation(
+        &mut self,
+        shutdown: &CancellationToken,
+    ) -> Result<(), RunError> {
+        let Some(following) = self.following.as_mut() else {
+            return Ok(());
+        };
+        let state = following.watch.current();
+        if state.current != following.current {
+            return self.switch_generation(state.current, shutdown).await;
+        }
+        match (state.frozen_for, following.frozen_since) {
+            (Some(next), None) => {
+                following.frozen_since = Some(Instant::now());
+                info!(
+                    generation = following.current,
+                    next, "Freeze: holding new batches until the generation switch."
+                );
+            }
+            (None, Some(since)) => {
+                following.frozen_since = None;
+                info!(
+                    paused_ms = since.elapsed().as_millis() as u64,
+                    "Freeze lifted without a switch; dispatching again."
+                );
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Moves every owned partition to generation `k`: lands the batches in
+    /// flight, points the keys at `k`, then restarts each partition at its
+    /// fences there.
+    async fn switch_generation(
+        &mut self,
+        k: u64,
+        shutdown: &CancellationToken,
+    ) -> Result<(), RunError> {
+        let following = self.following.as_ref().expect("following a pointer");
+        let began = following.frozen_since.unwrap_or_else(Instant::now);
+        let from = following.current;
+        // Batches in flight land where they started; the new generation's
+        // fences decide what is applied there again.
+        while let Some(joined) = self.in_flight.next().await {
+            self.finish(joined)?;
+        }
+        self.apply_rebalances();
+        if !self.write_generation(k, shutdown).await {
+            return Ok(());
+        }
+        let partitions: Vec<i32> = self.owned.keys().copied().collect();
+        for &partition in &partitions {
+            if !self.restart_in(partition, k).await? {
+                return Ok(());
+            }
+        }
+        self.retry_seeks();
+        self.blocked = false;
+        let following = self.following.as_mut().expect("following a pointer");
+        following.current = k;
+        following.frozen_since = None;
+        info!(
+            from,
+            generation = k,
+            partitions = partitions.len(),
+            paused_ms = began.elapsed().as_millis() as u64,
+            "Switched to generation."
+        );
+        Ok(())
+    }
+
+    /// Points the applier, the rebalance fence reader and the routing
+    /// registry at generation `k`; `false` when shutdown came first.
+    async fn write_generation(&mut self, k: u64, shutdown: &CancellationToken) -> bool {
+        let keys = self
+            .applier
+            .keys()
+            .with_prefix(generation::prefix_of(self.settings.store.prefix(), k));
+        self.applier = self.applier.with_keys(keys.clone());
+        self.consumer
+            .context()
+            .set_fences(self.applier.fence_reader().clone());
+        self.route_stop.cancel();
+        self.route_stop = shutdown.child_token();
+        self.routes = Routes::new(self.applier.store().clone(), keys, self.settings.buckets);
+        let every = self.settings.hot.route_refresh;
+        self.watch = loop {
+            match RouteWatch::start(self.routes.clone(), every, self.route_stop.clone()).await {
+                Ok(watch) => break watch,
+                Err(error) => {
+                    warn!(%error, generation = k, "Reading the new generation's registry failed; retrying.");
+                    if shutdown.is_cancelled() {
+                        return false;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        self.table = self.watch.current();
+        true
+    }
+
+    /// Restarts one owned partition at its fences in generation `k`;
+    /// `false` when shutdown came first.
+    async fn restart_in(&mut self, partition: i32, k: u64) -> Result<bool, RunError> {
+        let found = match self.applier.fences(partition, &self.abandon).await {
+            Ok(found) => found,
+            Err(ApplyError::Cancelled) => return Ok(false),
+            Err(source) => return Err(RunError::Apply { partition, source }),
+        };
+        self.epochs += 1;
+        let Some(state) = self.owned.get_mut(&partition) else {
+            return Ok(true);
+        };
+        let before = state
+            .known
+            .as_ref()
+            .map(|(_, t)| t.resume_at())
+            .or(state.next);
+        state.epoch = self.epochs;
+        state.batch.clear();
+        state.letters.clear();
+        state.verified_at = Instant::now();
+        state.advanced_at.fill(Instant::now());
+        match found.tracker() {
+            Some(known) => {
+                let resume = known.1.resume_at();
+                state.known = Some(known);
+                state.assigned = None;
+                state.next = Some(resume);
+                state.pending_seek = Some(resume);
+            }
+            None => {
+                // The new generation never counted this partition: start
+                // it where this consumer was, which becomes its origin.
+                warn!(
+                    partition,
+                    generation = k,
+                    "No origin in the new generation; counting from the current position."
+                );
+                state.known = None;
+                state.assigned = Some(found);
+                state.next = before;
+                state.pending_seek = before;
+            }
+        }
+        Ok(true)
+    }
+}
