@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -164,6 +165,10 @@ fn read_all(conn: &mut redis::Connection, keys: &KeyLayout) -> Result<HashMap<u6
 
 /// Runs the demo until Ctrl-C or `--duration`.
 pub async fn demo(config: DemoConfig) -> Result<()> {
+    // Listening from the start: an interrupt that arrives while the display
+    // is busy reading Redis, or before it begins, waits here rather than
+    // being lost (or ending the process before the check).
+    let mut interrupt = signal(SignalKind::interrupt()).context("listening for Ctrl-C")?;
     let dir = tempfile::tempdir().context("creating a scratch directory")?;
     let topic = "likes".to_string();
     let (_redis, redis_url) = start_redis(dir.path())?;
@@ -177,7 +182,7 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
         config.rate, config.viral_rate
     );
     let mut pipeline = Pipeline::start(&config, brokers, topic, &redis_url).await?;
-    pipeline.display(config.duration).await;
+    pipeline.display(config.duration, &mut interrupt).await;
     let produced = pipeline.catch_up().await;
     let wrong = pipeline.check(produced)?;
     pipeline.shut_down().await?;
@@ -248,7 +253,7 @@ impl Pipeline {
 
     /// Prints a row of figures every second until Ctrl-C, `duration` seconds,
     /// or the aggregator or the generator ending.
-    async fn display(&self, duration: Option<u64>) {
+    async fn display(&self, duration: Option<u64>, interrupt: &mut Signal) {
         let started = Instant::now();
         let mut every = tokio::time::interval(Duration::from_secs(1));
         every.tick().await;
@@ -266,7 +271,7 @@ impl Pipeline {
         );
         loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break,
+                _ = interrupt.recv() => break,
                 _ = every.tick() => {}
             }
             if self.aggregator.is_finished() || self.generator.is_finished() {

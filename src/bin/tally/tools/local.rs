@@ -3,9 +3,13 @@
 //!
 //! Invariant: every process started here is a child of this one and is killed
 //! when its handle drops, so nothing outlives the command that started it.
+//! Each runs in a process group of its own: Ctrl-C in a terminal signals the
+//! whole foreground group, and the services must outlive tally's own
+//! shutdown, which still reads and writes them; the handle stops them after.
 
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -72,6 +76,7 @@ pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
         .arg("--dir")
         .arg(dir)
         .stdout(Stdio::null())
+        .process_group(0)
         .spawn()
         .context("starting redis-server")?;
     let mut service = Service { child };
@@ -97,6 +102,7 @@ pub fn start_tansu(dir: &Path) -> Result<(Service, String)> {
         .args(["--storage-engine", "memory://tansu/"])
         .stdout(log.try_clone()?)
         .stderr(log)
+        .process_group(0)
         .spawn()
         .context("starting tansu")?;
     let mut service = Service { child };

@@ -1,0 +1,120 @@
+//! `tally demo` stopped the way a person stops it: Ctrl-C in a terminal, which sends SIGINT to
+//! the whole foreground process group. The demo's private broker and redis-server must survive
+//! that signal, so that the demo can let the aggregator catch up, check every count against the
+//! generator's own and exit 0.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt as _;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::Duration;
+
+#[test]
+fn ctrl_c_stops_the_demo_after_its_final_check() {
+    assert!(
+        common::tansu_bin().is_some(),
+        "the tansu broker is not installed; run: {}",
+        common::TANSU_INSTALL
+    );
+    // The demo in a process group of its own, as a shell puts a foreground job.
+    let mut demo = Command::new(common::tally_bin());
+    demo.args([
+        "demo",
+        "--rate",
+        "2000",
+        "--viral-rate",
+        "300",
+        "--partitions",
+        "2",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .process_group(0);
+    for (name, _) in std::env::vars().filter(|(k, _)| k.starts_with("TALLY_")) {
+        demo.env_remove(name);
+    }
+    let mut child = demo.spawn().expect("start tally demo");
+    let group = child.id();
+    let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+    let (lines_tx, lines) = mpsc::channel();
+    let reader = thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr = child.stderr.take().expect("piped stderr");
+    let errors = thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut text).ok();
+        text
+    });
+
+    // Wait for three rows of the live table: the pipeline is counting.
+    let mut seen = Vec::new();
+    let rows = loop {
+        match lines.recv_timeout(Duration::from_secs(90)) {
+            Ok(line) => {
+                seen.push(line.clone());
+                if seen
+                    .iter()
+                    .filter(|l| l.trim_start().starts_with(char::is_numeric))
+                    .count()
+                    >= 3
+                {
+                    break seen.len();
+                }
+            }
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "the demo printed no table within 90 s:\n{}",
+                    seen.join("\n")
+                );
+            }
+        }
+    };
+    assert!(rows > 0);
+    let status = Command::new("kill")
+        .args(["-INT", "--", &format!("-{group}")])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -INT -{group} failed");
+
+    let (exit_tx, exit) = mpsc::channel();
+    let waiter = thread::spawn(move || {
+        let _ = exit_tx.send(child.wait());
+    });
+    let status = match exit.recv_timeout(Duration::from_secs(90)) {
+        Ok(status) => status.expect("wait for the demo"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{group}")])
+                .status();
+            panic!("the demo did not exit within 90 s of Ctrl-C");
+        }
+    };
+    waiter.join().unwrap();
+    reader.join().unwrap();
+    seen.extend(lines.try_iter());
+    let stderr = errors.join().unwrap();
+    let out = seen.join("\n");
+    assert!(
+        status.success(),
+        "the demo exited with {status} after Ctrl-C\nstdout:\n{out}\nstderr:\n{stderr}"
+    );
+    assert!(
+        out.contains("check: all ") && out.contains("match the generator's own count exactly"),
+        "no final check after Ctrl-C\nstdout:\n{out}\nstderr:\n{stderr}"
+    );
+    let noisy = stderr
+        .lines()
+        .filter(|l| l.contains("Connection refused"))
+        .count();
+    assert_eq!(noisy, 0, "the services died under the demo:\n{stderr}");
+}
