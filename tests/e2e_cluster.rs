@@ -6,6 +6,7 @@
 
 mod cluster;
 mod common;
+mod library;
 
 use std::collections::HashSet;
 use std::thread;
@@ -67,19 +68,13 @@ fn finish(run: &Scenario, cluster: &RedisCluster, workload: &Workload, tallies: 
 /// The library's reader, on the cluster, returns every post's truth: its pipelines cross slots
 /// and nodes without a CROSSSLOT, and hot posts' versions are summed.
 fn assert_reader_exact(run: &Scenario, cluster: &RedisCluster, workload: &Workload) {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let target = tally::infra::store::RedisUrl::parse(&cluster.url())
-        .unwrap()
-        .target()
-        .clone();
-    let store = rt
-        .block_on(tally::infra::store::Shared::connect(&target))
-        .expect("connect the reader");
-    let keys = tally::domain::routing::KeyLayout::with_groups(
-        run.prefix.clone(),
-        tally::domain::slots::SlotGroups::cluster(GROUPS as u32),
+    let (rt, reader) = library::reader(
+        &cluster.url(),
+        &run.prefix,
+        GROUPS as u32,
+        16,
+        Duration::ZERO,
     );
-    let reader = tally::read::Reader::new(store, keys, 16, Duration::ZERO);
     let posts: Vec<u64> = workload.truth.keys().copied().collect();
     for chunk in posts.chunks(1_000) {
         for count in rt

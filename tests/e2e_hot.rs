@@ -5,6 +5,7 @@
 //! every post's count (by key scan and through the library's reader) equals the ground truth.
 
 mod common;
+mod library;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -80,16 +81,7 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
         );
         let mut conn = redis.conn();
         thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            let target = tally::infra::store::RedisUrl::parse(&url)
-                .unwrap()
-                .target()
-                .clone();
-            let store = rt
-                .block_on(tally::infra::store::Shared::connect(&target))
-                .unwrap();
-            let keys = tally::domain::routing::KeyLayout::new(prefix.clone());
-            let reader = tally::read::Reader::new(store, keys, 4, Duration::ZERO);
+            let (rt, reader) = library::reader(&url, &prefix, 1, 4, Duration::ZERO);
             while !stop.load(Ordering::SeqCst) {
                 let (scanned, _) = scanned_sum(&mut conn, &prefix, HOT);
                 let read = rt.block_on(reader.count(HOT)).expect("reader count");
@@ -240,21 +232,7 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
     assert!(out.status.success(), "count: {out:?}");
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json[0]["likes"].as_i64(), Some(truth[&HOT]), "{json}");
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let store = rt
-        .block_on(tally::infra::store::Shared::connect(
-            &tally::infra::store::RedisUrl::parse(&url)
-                .unwrap()
-                .target()
-                .clone(),
-        ))
-        .unwrap();
-    let reader = tally::read::Reader::new(
-        store,
-        tally::domain::routing::KeyLayout::new(run.prefix.clone()),
-        4,
-        Duration::from_secs(1),
-    );
+    let (rt, reader) = library::reader(&url, &run.prefix, 1, 4, Duration::from_secs(1));
     let posts: Vec<u64> = truth.keys().copied().collect();
     let counts = rt.block_on(reader.counts(&posts)).unwrap();
     for count in counts {

@@ -10,6 +10,7 @@
 //! * `--from-timestamp` counts exactly the events stamped after it and says how many it skipped.
 
 mod common;
+mod library;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -106,16 +107,7 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         );
         let mut conn = redis.conn();
         thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            let target = tally::infra::store::RedisUrl::parse(&url)
-                .unwrap()
-                .target()
-                .clone();
-            let store = rt
-                .block_on(tally::infra::store::Shared::connect(&target))
-                .unwrap();
-            let keys = tally::domain::routing::KeyLayout::new(prefix.clone());
-            let reader = tally::read::Reader::new(store, keys, 4, Duration::ZERO);
+            let (rt, reader) = library::reader(&url, &prefix, 1, 4, Duration::ZERO);
             let mut last = i64::MIN;
             while !stop.load(Ordering::SeqCst) {
                 let generation = pointer(&mut conn, &prefix);
@@ -348,21 +340,7 @@ fn flushall_then_rebuild_restores_every_count() {
     assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
 
     // The library's reader follows the pointer.
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let store = rt
-        .block_on(tally::infra::store::Shared::connect(
-            &tally::infra::store::RedisUrl::parse(&url)
-                .unwrap()
-                .target()
-                .clone(),
-        ))
-        .unwrap();
-    let reader = tally::read::Reader::new(
-        store,
-        tally::domain::routing::KeyLayout::new(run.prefix.clone()),
-        16,
-        Duration::from_secs(1),
-    );
+    let (rt, reader) = library::reader(&url, &run.prefix, 1, 16, Duration::from_secs(1));
     let posts: Vec<u64> = workload.truth.keys().copied().collect();
     for count in rt.block_on(reader.counts(&posts)).unwrap() {
         assert_eq!(count.likes, workload.truth[&count.post_id]);

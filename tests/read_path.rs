@@ -3,6 +3,7 @@
 //! (counts, bad ids, too many ids, unknown paths and methods), all as JSON.
 
 mod common;
+mod library;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -11,7 +12,6 @@ use std::time::Duration;
 
 use common::*;
 use tally::domain::routing::{CounterId, KeyLayout};
-use tally::infra::store::Shared;
 use tally::read::Reader;
 
 const DEFAULT_BUCKETS: u32 = 4;
@@ -57,17 +57,7 @@ fn seed_counts(conn: &mut redis::Connection, prefix: &str) -> Vec<(u64, i64)> {
 }
 
 fn reader(url: &str, prefix: &str, ttl: Duration) -> (tokio::runtime::Runtime, Reader) {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let store = rt
-        .block_on(Shared::connect(
-            &tally::infra::store::RedisUrl::parse(url)
-                .unwrap()
-                .target()
-                .clone(),
-        ))
-        .unwrap();
-    let reader = Reader::new(store, KeyLayout::new(prefix), DEFAULT_BUCKETS, ttl);
-    (rt, reader)
+    library::reader(url, prefix, 1, DEFAULT_BUCKETS, ttl)
 }
 
 #[test]
