@@ -11,7 +11,7 @@ pub mod verify;
 use rdkafka::error::KafkaError;
 use redis::RedisError;
 
-use crate::domain::layout::{self, OpenStore};
+use crate::domain::layout::{self, LayoutError, OpenStore};
 use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::store::ConnectError;
 use crate::pipeline::apply::Applier;
@@ -42,6 +42,9 @@ pub enum OpError {
         /// The client's error.
         source: KafkaError,
     },
+    /// The settings differ from the prefix's layout record, or it is unusable.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
     /// Reading counts failed.
     #[error(transparent)]
     Read(#[from] ReadError),
@@ -54,6 +57,15 @@ pub enum OpError {
     /// The operation cannot go on; the text says why and what to do.
     #[error("{0}")]
     Refused(String),
+}
+
+impl From<layout::OpenError> for OpError {
+    fn from(error: layout::OpenError) -> Self {
+        match error {
+            layout::OpenError::Connect(e) => OpError::Connect(e),
+            layout::OpenError::Layout(e) => OpError::Layout(e),
+        }
+    }
 }
 
 impl OpError {
@@ -72,6 +84,16 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier), Op
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
+    if let Some(record) = layout::read_record(&opened.store, settings.store.prefix()).await? {
+        let proposed = layout::Record {
+            buckets: settings.buckets,
+            slot_groups: opened.keys.groups().count(),
+            topic: settings.kafka.topic.clone(),
+            group: settings.kafka.group.clone(),
+            ..record.clone()
+        };
+        layout::compare(settings.store.prefix(), &proposed, &record).map_err(LayoutError::from)?;
+    }
     let applier = Applier::new(
         opened.store.clone(),
         opened.target().clone(),

@@ -2,13 +2,16 @@
 //! every primary, through slot migration, SCRIPT FLUSH, primary failover, a
 //! primary restarted from an AOF that lost its last writes, and consumers
 //! killed between the scripts of one batch; and a rebuild under live traffic,
-//! verify and gc, each across every primary.
+//! verify and gc, each across every primary. A restart with another
+//! `--slot-groups` is refused by the layout record, and `inspect` needs no
+//! layout flag.
 
 mod cluster;
 mod common;
 mod library;
 
 use std::collections::HashSet;
+use std::process::Command;
 use std::thread;
 use std::time::Duration;
 
@@ -124,8 +127,6 @@ fn three_primaries_with_reshard_and_script_flush_count_exactly() {
         &cluster.url(),
         "--prefix",
         &run.prefix,
-        "--slot-groups",
-        &GROUPS.to_string(),
     ]);
     let report = String::from_utf8_lossy(&out.stdout);
     eprintln!("[e2e_cluster] inspect:\n{report}");
@@ -141,6 +142,26 @@ fn three_primaries_with_reshard_and_script_flush_count_exactly() {
         "{report}"
     );
     assert!(!report.contains("(unassigned)"), "{report}");
+
+    // Another slot-group count would put counters under other fences: refused, nothing changes.
+    let mut changed = run.tally_args(&cluster.url());
+    changed.extend(["--slot-groups", "32"].map(String::from));
+    let out = Command::new(tally_bin())
+        .arg("run")
+        .args(&changed)
+        .env_remove("TALLY_LOG")
+        .output()
+        .expect("run tally");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "error: --slot-groups 32 does not match the layout record {}:layout, written with {GROUPS}: ",
+            run.prefix
+        )),
+        "{stderr}"
+    );
+    assert_counts_eq(&cluster.read_counts(&run.prefix), &workload.truth);
 }
 
 #[test]

@@ -119,46 +119,17 @@ fn promotion_and_manual_routing_changes_keep_counts_exact() {
 
     // Writers move to the promoted version only for events stamped 5 s after publication.
     thread::sleep(Duration::from_secs(7));
-    let common = [
-        "--redis",
-        url.as_str(),
-        "--prefix",
-        run.prefix.as_str(),
-        "--buckets",
-        "4",
-    ];
+    let common = ["--redis", url.as_str(), "--prefix", run.prefix.as_str()];
     let hot = HOT.to_string();
-    let route = ["--default-buckets", "4"];
-    let demoted = tally_cli(
-        &[
-            &["demote", &hot, "--buckets", "2"],
-            &common[..4],
-            &route[..],
-        ]
-        .concat(),
-    );
+    let demoted = tally_cli(&[&["demote", &hot, "--to-buckets", "2"], &common[..4]].concat());
     assert!(demoted.status.success(), "demote: {demoted:?}");
-    let refused = tally_cli(
-        &[
-            &["promote", &hot, "--buckets", "2"],
-            &common[..4],
-            &route[..],
-        ]
-        .concat(),
-    );
+    let refused = tally_cli(&[&["promote", &hot, "--to-buckets", "2"], &common[..4]].concat());
     assert!(
         !refused.status.success(),
         "promoting to 2 buckets again must be refused"
     );
     thread::sleep(Duration::from_secs(7));
-    let promoted = tally_cli(
-        &[
-            &["promote", &hot, "--buckets", "48"],
-            &common[..4],
-            &route[..],
-        ]
-        .concat(),
-    );
+    let promoted = tally_cli(&[&["promote", &hot, "--to-buckets", "48"], &common[..4]].concat());
     assert!(promoted.status.success(), "promote: {promoted:?}");
     thread::sleep(Duration::from_secs(2));
     // A crash while writers are about to switch: its partitions are replayed by the other

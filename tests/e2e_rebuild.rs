@@ -242,14 +242,7 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
     assert!(paused < 5_000, "the live pause was {paused} ms");
 
     // Readers agree, verify finds no drift, and gc drops generation 0 only after its grace.
-    let common = [
-        "--redis",
-        url.as_str(),
-        "--prefix",
-        run.prefix.as_str(),
-        "--buckets",
-        "4",
-    ];
+    let common = ["--redis", url.as_str(), "--prefix", run.prefix.as_str()];
     let out = tally_cli(&[&["count", &HOT.to_string(), "--show-keys"], &common[..]].concat());
     assert!(out.status.success(), "{}", output_text(&out));
     let shown = output_text(&out);

@@ -20,6 +20,19 @@ const DEFAULT_BUCKETS: u32 = 4;
 /// Returns the expected counts.
 fn seed_counts(conn: &mut redis::Connection, prefix: &str) -> Vec<(u64, i64)> {
     let keys = KeyLayout::new(prefix);
+    // What the first `tally run` on the prefix writes: version 0 has 4 buckets.
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{prefix}:layout"))
+        .arg(&[
+            ("format", "1"),
+            ("buckets", "4"),
+            ("slot_groups", "1"),
+            ("topic", "likes"),
+            ("group", "tally"),
+            ("created_at_ms", "0"),
+        ])
+        .query(conn)
+        .unwrap();
     let set = |conn: &mut redis::Connection, id: CounterId, value: i64| {
         let _: () = redis::cmd("SET")
             .arg(keys.key_of(id))
@@ -153,8 +166,6 @@ fn http_answers_counts_and_errors_as_json() {
             &redis.url(),
             "--prefix",
             &prefix,
-            "--buckets",
-            "4",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -1,15 +1,40 @@
-//! Layout: a prefix's keys on the store the settings name, opened once.
+//! Layout: a prefix's keys on the store the settings name, opened once, and
+//! the record that says how the prefix was written.
 //!
 //! Invariant: every command that touches Redis derives the slot groups and
 //! the key layout from its [`StoreSettings`] here and nowhere else, so the
 //! writers, the readers and the operations of one deployment name the same
 //! keys for the same settings: one slot group on a single server, the
 //! configured number on a cluster.
+//!
+//! # The layout record
+//!
+//! Where an event lands depends on version 0's bucket count and on the slot
+//! groups, and which fences cover it on the consumer group and the topic.
+//! Those are flags, and a writer restarted with another value would resume
+//! from fences built under the old mapping: on a cluster an event already
+//! applied to its old slot group is applied again in its new one, or one is
+//! skipped, and a renamed group recounts the whole log into the same
+//! counters. So the first `tally run` on a prefix writes them down beside
+//! the data, in the hash `<prefix>:layout` (see [`Record`]), with one atomic
+//! script, and every later writer compares its settings with the record and
+//! refuses to start on a mismatch, naming the flag, the stored value and the
+//! remedy ([`Mismatch`]). Readers take the bucket count from the record.
+//! Data written before the record existed is adopted on the first start: the
+//! record is written from the flags of that start, which is logged.
+
+use redis::RedisError;
 
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
 use crate::infra::config::StoreSettings;
+use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
+
+/// The format of the record this build writes and reads.
+pub const FORMAT: u32 = 1;
+
+static WRITE_RECORD: Lua = Lua::new(include_str!("layout_record.lua"));
 
 /// A store opened from its settings.
 #[derive(Clone)]
@@ -52,4 +77,366 @@ pub async fn open(settings: &StoreSettings) -> Result<OpenStore, ConnectError> {
         url: settings.url().clone(),
         keys: base_keys(settings),
     })
+}
+
+/// Why a reader could not open a prefix.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Redis is unreachable or refused.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The prefix's record is missing or unusable.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// Opens the store for a reader: the slot groups come from the prefix's
+/// layout record, as does version 0's bucket count (in the record
+/// returned), so a reader needs no layout settings.
+pub async fn open_for_reading(settings: &StoreSettings) -> Result<(OpenStore, Record), OpenError> {
+    let mut opened = open(settings).await?;
+    let base = settings.prefix();
+    let record = read_record(&opened.store, base)
+        .await?
+        .ok_or_else(|| LayoutError::NoRecord {
+            prefix: base.to_string(),
+            key: record_key(base),
+        })?;
+    if settings.url().is_cluster() {
+        opened.keys = KeyLayout::with_groups(base, SlotGroups::cluster(record.slot_groups));
+    }
+    Ok((opened, record))
+}
+
+/// The record key of a base prefix.
+pub fn record_key(base: &str) -> String {
+    format!("{base}:layout")
+}
+
+/// How a prefix was written: what every writer must repeat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The record's format.
+    pub format: u32,
+    /// Buckets per post of routing version 0.
+    pub buckets: u32,
+    /// Slot groups scripts are split by (1 on a single server).
+    pub slot_groups: u32,
+    /// The topic counted.
+    pub topic: String,
+    /// The consumer group whose fences the prefix holds.
+    pub group: String,
+    /// When the record was written (milliseconds since the epoch).
+    pub created_at_ms: i64,
+}
+
+impl Record {
+    fn fields(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("format", self.format.to_string()),
+            ("buckets", self.buckets.to_string()),
+            ("slot_groups", self.slot_groups.to_string()),
+            ("topic", self.topic.clone()),
+            ("group", self.group.clone()),
+            ("created_at_ms", self.created_at_ms.to_string()),
+        ]
+    }
+
+    fn from_fields(key: &str, fields: &[(String, String)]) -> Result<Record, LayoutError> {
+        let get = |name: &str| -> Result<&str, LayoutError> {
+            fields
+                .iter()
+                .find(|(f, _)| f == name)
+                .map(|(_, v)| v.as_str())
+                .ok_or_else(|| LayoutError::Corrupt {
+                    key: key.to_string(),
+                    problem: format!("field {name} is missing"),
+                })
+        };
+        let number = |name: &str| -> Result<i64, LayoutError> {
+            get(name)?.parse().map_err(|_| LayoutError::Corrupt {
+                key: key.to_string(),
+                problem: format!("field {name} is not a number"),
+            })
+        };
+        let format = number("format")? as u32;
+        if format != FORMAT {
+            return Err(LayoutError::Format {
+                key: key.to_string(),
+                found: format,
+            });
+        }
+        let buckets = number("buckets")?;
+        let slot_groups = number("slot_groups")?;
+        let damaged = |problem: &str| LayoutError::Corrupt {
+            key: key.to_string(),
+            problem: problem.to_string(),
+        };
+        if !(1..=1 << 20).contains(&buckets) {
+            return Err(damaged("buckets is out of range"));
+        }
+        if !(1..=16_384).contains(&slot_groups) || !(slot_groups as u32).is_power_of_two() {
+            return Err(damaged("slot_groups is not a power of two up to 16384"));
+        }
+        Ok(Record {
+            format,
+            buckets: buckets as u32,
+            slot_groups: slot_groups as u32,
+            topic: get("topic")?.to_string(),
+            group: get("group")?.to_string(),
+            created_at_ms: number("created_at_ms")?,
+        })
+    }
+}
+
+/// A writer's settings that differ from the record of its prefix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag} {given} does not match the layout record {key}, written with {stored}: {remedy}")]
+pub struct Mismatch {
+    /// The flag at fault.
+    pub flag: &'static str,
+    /// Its value now.
+    pub given: String,
+    /// The value the prefix was written with.
+    pub stored: String,
+    /// The record's key.
+    pub key: String,
+    /// What to do.
+    pub remedy: String,
+}
+
+/// Why the layout record cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// Reading or writing it failed.
+    #[error("reading the layout record: {0}")]
+    Redis(#[from] RedisError),
+    /// The settings differ from it.
+    #[error(transparent)]
+    Mismatch(#[from] Mismatch),
+    /// It has a format this build does not know.
+    #[error(
+        "layout record {key} has format {found}; this tally reads format {FORMAT}: run a tally that knows it"
+    )]
+    Format {
+        /// The record's key.
+        key: String,
+        /// The format found.
+        found: u32,
+    },
+    /// A reader found no record: nothing was counted under the prefix, or
+    /// its data predates records and no writer has started on it since.
+    #[error(
+        "prefix {prefix} has no layout record ({key}): nothing has been counted under it (check --prefix and --redis), or its data predates the record and one start of `tally run` on it adopts it"
+    )]
+    NoRecord {
+        /// The base prefix.
+        prefix: String,
+        /// The record's key.
+        key: String,
+    },
+    /// It is not a record tally wrote.
+    #[error(
+        "layout record {key} is damaged ({problem}); restore it, or delete it to adopt the data with the current flags"
+    )]
+    Corrupt {
+        /// The record's key.
+        key: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// The record of `base`, if the prefix has one.
+pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, LayoutError> {
+    let key = record_key(base);
+    let fields: Vec<(String, String)> = store
+        .call(|mut s| {
+            let key = key.clone();
+            async move { redis::cmd("HGETALL").arg(&key).query_async(&mut s).await }
+        })
+        .await?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    Record::from_fields(&key, &fields).map(Some)
+}
+
+/// Writes `proposed` as the record of `base` unless one exists; returns the
+/// record in force and whether this call wrote it.
+pub async fn ensure_record(
+    store: &Shared,
+    base: &str,
+    proposed: &Record,
+) -> Result<(Record, bool), LayoutError> {
+    let key = record_key(base);
+    let args: Vec<String> = proposed
+        .fields()
+        .into_iter()
+        .flat_map(|(f, v)| [f.to_string(), v])
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let reply: Vec<String> = WRITE_RECORD.call(store, &[&key], &args).await?;
+    let written = reply.first().is_some_and(|w| w == "1");
+    let fields: Vec<(String, String)> = reply[1.min(reply.len())..]
+        .chunks(2)
+        .filter(|pair| pair.len() == 2)
+        .map(|pair| (pair[0].clone(), pair[1].clone()))
+        .collect();
+    Ok((Record::from_fields(&key, &fields)?, written))
+}
+
+/// The first difference between a writer's settings (`proposed`) and the
+/// record in force, with what to do about it.
+pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mismatch> {
+    let key = record_key(base);
+    let mismatch = |flag, given: String, stored: String, remedy: String| Mismatch {
+        flag,
+        given,
+        stored,
+        key: key.clone(),
+        remedy,
+    };
+    if proposed.group != stored.group {
+        return Err(mismatch(
+            "group",
+            proposed.group.clone(),
+            stored.group.clone(),
+            format!(
+                "the prefix holds the fences of group {}; run with --group {}, or give this group a --prefix of its own (a canary counts into its own prefix)",
+                stored.group, stored.group
+            ),
+        ));
+    }
+    if proposed.topic != stored.topic {
+        return Err(mismatch(
+            "topic",
+            proposed.topic.clone(),
+            stored.topic.clone(),
+            format!(
+                "run with --topic {}, or count this topic into a --prefix of its own",
+                stored.topic
+            ),
+        ));
+    }
+    if proposed.buckets != stored.buckets {
+        return Err(mismatch(
+            "buckets",
+            proposed.buckets.to_string(),
+            stored.buckets.to_string(),
+            format!(
+                "run with --buckets {} (a new count would move users between buckets; it is a rebuild into a new --prefix, not a changed flag)",
+                stored.buckets
+            ),
+        ));
+    }
+    if proposed.slot_groups != stored.slot_groups {
+        return Err(mismatch(
+            "slot-groups",
+            proposed.slot_groups.to_string(),
+            stored.slot_groups.to_string(),
+            format!(
+                "run with --slot-groups {} (the fences cover fixed slot groups; another count is a rebuild into a new --prefix, then the switch)",
+                stored.slot_groups
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Record {
+        Record {
+            format: FORMAT,
+            buckets: 16,
+            slot_groups: 128,
+            topic: "likes".into(),
+            group: "tally".into(),
+            created_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn every_layout_setting_is_compared() {
+        let stored = record();
+        assert_eq!(compare("t", &record(), &stored), Ok(()));
+        let cases = [
+            (
+                "buckets",
+                Record {
+                    buckets: 8,
+                    ..record()
+                },
+            ),
+            (
+                "slot-groups",
+                Record {
+                    slot_groups: 64,
+                    ..record()
+                },
+            ),
+            (
+                "group",
+                Record {
+                    group: "canary".into(),
+                    ..record()
+                },
+            ),
+            (
+                "topic",
+                Record {
+                    topic: "other".into(),
+                    ..record()
+                },
+            ),
+        ];
+        for (flag, proposed) in cases {
+            let err = compare("t", &proposed, &stored).unwrap_err();
+            assert_eq!(err.flag, flag);
+            let line = err.to_string();
+            assert!(line.contains("t:layout") && !line.contains('\n'), "{line}");
+        }
+        // The creation time is not a setting.
+        assert!(
+            compare(
+                "t",
+                &Record {
+                    created_at_ms: 9,
+                    ..record()
+                },
+                &stored
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn records_read_back_and_damage_is_named() {
+        let fields: Vec<(String, String)> = record()
+            .fields()
+            .into_iter()
+            .map(|(f, v)| (f.to_string(), v))
+            .collect();
+        assert_eq!(Record::from_fields("t:layout", &fields).unwrap(), record());
+        let newer: Vec<(String, String)> = fields
+            .iter()
+            .map(|(f, v)| {
+                (
+                    f.clone(),
+                    if f == "format" { "9".into() } else { v.clone() },
+                )
+            })
+            .collect();
+        assert!(matches!(
+            Record::from_fields("t:layout", &newer),
+            Err(LayoutError::Format { found: 9, .. })
+        ));
+        assert!(matches!(
+            Record::from_fields("t:layout", &fields[1..]),
+            Err(LayoutError::Corrupt { .. })
+        ));
+    }
 }

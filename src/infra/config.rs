@@ -393,12 +393,27 @@ fn tls_problems(input: &KafkaSecurityInput) -> Vec<ConfigError> {
     problems
 }
 
-/// librdkafka settings tally owns; overriding them would break exactly-once.
-const RESERVED_KAFKA_KEYS: &[&str] = &[
-    "enable.auto.commit",
-    "enable.auto.offset.store",
-    "group.id",
-    "bootstrap.servers",
+/// librdkafka settings tally owns, with why `-X` may not change them
+/// (`isolation.level` may only be given its one safe value).
+const RESERVED_KAFKA_KEYS: &[(&str, &str)] = &[
+    (
+        "enable.auto.commit",
+        "tally commits offsets itself, only after Redis has the batch",
+    ),
+    (
+        "enable.auto.offset.store",
+        "tally stores offsets itself, only after Redis has the batch",
+    ),
+    ("group.id", "give the group with --group"),
+    ("bootstrap.servers", "give the brokers with --brokers"),
+    (
+        "auto.offset.reset",
+        "the fences in Redis decide where each partition starts, and a group's first start reads from the earliest offset",
+    ),
+    (
+        "isolation.level",
+        "it must stay read_committed: read_uncommitted would count the events of aborted transactions",
+    ),
 ];
 
 /// librdkafka keys the security settings own; `-X` may set them only when the
@@ -476,12 +491,12 @@ impl KafkaSettings {
         if self.dead_letter_topic.as_deref() == Some(self.topic.as_str()) {
             problems.push(bad("dead-letter-topic", "must differ from --topic"));
         }
-        for (key, _) in &self.extra {
-            if RESERVED_KAFKA_KEYS.contains(&key.as_str()) {
-                problems.push(bad(
-                    "kafka-config",
-                    format!("{key} is managed by tally; use the dedicated flag or leave it"),
-                ));
+        for (key, value) in &self.extra {
+            let reserved = RESERVED_KAFKA_KEYS.iter().find(|(k, _)| k == key);
+            if let Some((_, why)) = reserved
+                && !(key == "isolation.level" && value == "read_committed")
+            {
+                problems.push(bad("kafka-config", format!("{key} cannot be set: {why}")));
             }
         }
         let dedicated = self.security.properties();
@@ -706,6 +721,59 @@ mod tests {
             );
         }
         assert!(!format!("{security:?}").contains("k4fka"));
+    }
+
+    #[test]
+    fn settings_that_break_exactly_once_are_refused_with_the_reason() {
+        let kafka = |extra: &[(&str, &str)]| KafkaSettings {
+            brokers: DEFAULT_BROKERS.into(),
+            topic: DEFAULT_TOPIC.into(),
+            group: DEFAULT_GROUP.into(),
+            dead_letter_topic: None,
+            security: KafkaSecurity::default(),
+            extra: extra
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        for (key, value, why) in [
+            (
+                "isolation.level",
+                "read_uncommitted",
+                "aborted transactions",
+            ),
+            ("auto.offset.reset", "latest", "the fences in Redis decide"),
+            (
+                "auto.offset.reset",
+                "earliest",
+                "the fences in Redis decide",
+            ),
+            (
+                "enable.auto.commit",
+                "true",
+                "only after Redis has the batch",
+            ),
+            (
+                "enable.auto.offset.store",
+                "true",
+                "only after Redis has the batch",
+            ),
+        ] {
+            let problems = kafka(&[(key, value)]).problems();
+            assert_eq!(problems.len(), 1, "{key}={value}");
+            let line = problems[0].to_string();
+            assert!(
+                line.starts_with(&format!("--kafka-config: {key} cannot be set: "))
+                    && line.contains(why),
+                "{line}"
+            );
+        }
+        assert!(
+            kafka(&[("isolation.level", "read_committed")])
+                .problems()
+                .is_empty()
+        );
+        assert!(kafka(&[("fetch.min.bytes", "1")]).problems().is_empty());
     }
 
     #[test]

@@ -32,10 +32,9 @@ pub struct Change {
     /// More or fewer buckets.
     pub direction: Direction,
     /// Buckets of the new version; by default [`DEFAULT_PROMOTED_BUCKETS`]
-    /// for a promotion and `default_buckets` for a demotion.
+    /// for a promotion and version 0's count (the layout record's) for a
+    /// demotion.
     pub to_buckets: Option<u32>,
-    /// Buckets of a post without routing metadata (`tally run --buckets`).
-    pub default_buckets: u32,
 }
 
 /// The version a change published.
@@ -57,11 +56,10 @@ pub struct Routed {
 /// use now.
 pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Routed, OpError> {
     let Change {
-        post_id,
-        direction,
-        default_buckets,
-        ..
+        post_id, direction, ..
     } = change;
+    let (opened, record) = layout::open_for_reading(settings).await?;
+    let default_buckets = record.buckets;
     let buckets = match (direction, change.to_buckets) {
         (_, Some(n)) => n,
         (Direction::Promote, None) => DEFAULT_PROMOTED_BUCKETS,
@@ -69,15 +67,9 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
     };
     if buckets == 0 || buckets > 1 << 16 {
         return Err(OpError::Refused(
-            "--buckets must be between 1 and 65536".into(),
+            "--to-buckets must be between 1 and 65536".into(),
         ));
     }
-    if default_buckets == 0 {
-        return Err(OpError::Refused(
-            "--default-buckets must be at least 1".into(),
-        ));
-    }
-    let opened = layout::open(settings).await?;
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
     let routes = Routes::new(opened.store, keys, default_buckets);
     let table = routes.fetch().await?;

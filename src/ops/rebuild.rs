@@ -395,21 +395,13 @@ async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<Record, Red
 }
 
 /// The settings of the pipeline that recounts: those of `tally run`,
-/// without hot-post detection, dead letters or metrics, from the earliest
-/// offsets.
+/// without hot-post detection, dead letters or metrics. Its group is new,
+/// so it reads from the earliest offsets, as every group's first start does.
 fn rebuild_settings(settings: &RunSettings) -> RunSettings {
     let mut settings = settings.clone();
     settings.hot.promote_above = 0;
     settings.kafka.dead_letter_topic = None;
     settings.metrics_addr = None;
-    settings
-        .kafka
-        .extra
-        .retain(|(key, _)| key != "auto.offset.reset");
-    settings
-        .kafka
-        .extra
-        .push(("auto.offset.reset".into(), "earliest".into()));
     settings
 }
 

@@ -216,6 +216,8 @@ pub fn create_consumer(
     let mut config = kafka_client_config(&kafka.brokers, &[]);
     config
         .set("auto.offset.reset", "earliest")
+        // Aborted transactions are never counted; -X cannot change it.
+        .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
         // An idle fetch waits at most this long; the default (500 ms) shows up
         // directly as produce-to-visible latency on brokers that hold fetches.

@@ -43,7 +43,7 @@ use tracing::{debug, info, warn};
 
 use crate::domain::fence::Decision;
 use crate::domain::generation::{self, GenerationWatch};
-use crate::domain::layout::{self, OpenStore};
+use crate::domain::layout::{self, LayoutError, OpenStore, Record};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, KafkaSettings, RunSettings};
 use crate::infra::metrics;
@@ -72,6 +72,9 @@ pub enum RunError {
     /// Redis is unreachable or refused at start-up.
     #[error(transparent)]
     Redis(#[from] ConnectError),
+    /// The settings differ from the prefix's layout record, or it is unusable.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
     /// The brokers or a topic are unavailable at start-up.
     #[error(transparent)]
     Topic(#[from] TopicError),
@@ -150,6 +153,7 @@ pub async fn run_with(
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
+    check_layout(&opened, &settings).await?;
     let unreadable = |source| ConnectError {
         url: opened.url.shown().to_string(),
         source,
@@ -211,6 +215,61 @@ pub async fn run_with(
     let result = pipeline.consume(&shutdown).await;
     pipeline.drain().await;
     result
+}
+
+/// Writes the prefix's layout record on the first start (adopting what an
+/// earlier version wrote without one) and refuses settings that differ from it.
+async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<(), RunError> {
+    let base = settings.store.prefix();
+    let proposed = Record {
+        format: layout::FORMAT,
+        buckets: settings.buckets,
+        slot_groups: opened.keys.groups().count(),
+        topic: settings.kafka.topic.clone(),
+        group: settings.kafka.group.clone(),
+        created_at_ms: wall_ms(),
+    };
+    let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
+    if written {
+        let origin = opened
+            .keys
+            .origin_key(&settings.kafka.group, &settings.kafka.topic, 0);
+        let pointer = generation::pointer_key(base);
+        let existing = opened
+            .store
+            .call(|mut s| async move {
+                let a: bool = redis::cmd("EXISTS")
+                    .arg(&origin)
+                    .query_async(&mut s)
+                    .await?;
+                let b: bool = redis::cmd("EXISTS")
+                    .arg(&pointer)
+                    .query_async(&mut s)
+                    .await?;
+                Ok::<_, redis::RedisError>(a || b)
+            })
+            .await
+            .map_err(LayoutError::from)?;
+        if existing {
+            warn!(
+                key = %layout::record_key(base),
+                buckets = record.buckets,
+                slot_groups = record.slot_groups,
+                group = %record.group,
+                topic = %record.topic,
+                "Adopted data written without a layout record: the record now holds this start's settings; every later start must repeat them."
+            );
+        } else {
+            info!(
+                key = %layout::record_key(base),
+                buckets = record.buckets,
+                slot_groups = record.slot_groups,
+                "Layout record written."
+            );
+        }
+    }
+    layout::compare(base, &proposed, &record).map_err(LayoutError::from)?;
+    Ok(())
 }
 
 /// A live pipeline's view of the generation pointer; `None` for a pipeline

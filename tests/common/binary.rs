@@ -21,7 +21,8 @@ pub struct Tally {
 }
 
 /// The arguments every test passes to `tally run`: addresses, names, and quick rebalances.
-/// `auto.offset.reset=earliest` is explicit so a new group reads the backlog whatever the default.
+/// A new group reads the backlog from the earliest offset: tally's own start, which `-X` cannot
+/// change.
 /// `TALLY_TEST_KAFKA_DEBUG=cgrp,...` adds librdkafka debug contexts, logged at debug level.
 pub fn tally_args(
     brokers: &str,
@@ -47,8 +48,6 @@ pub fn tally_args(
         "session.timeout.ms=6000",
         "-X",
         "heartbeat.interval.ms=1000",
-        "-X",
-        "auto.offset.reset=earliest",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -66,6 +66,11 @@ fn connect_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a
     if let Some(run) = error.downcast_ref::<RunError>() {
         return from_run(run);
     }
+    if let Some(tally::domain::layout::OpenError::Connect(connect)) =
+        error.downcast_ref::<tally::domain::layout::OpenError>()
+    {
+        return Some(connect);
+    }
     match error.downcast_ref::<OpError>()? {
         OpError::Connect(connect) => Some(connect),
         OpError::Run(run) => from_run(run),

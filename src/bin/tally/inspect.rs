@@ -13,15 +13,16 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use redis::ConnectionLike;
-use tally::domain::layout::base_keys;
+use tally::domain::layout::{OpenStore, Record};
 use tally::domain::placement::{SlotMap, binomial};
 use tally::domain::routing::{CounterId, KeyLayout};
 use tally::domain::slots::key_slot;
 use tally::domain::versions::PostMeta;
+use tally::infra::config::StoreSettings;
 use tally::infra::store::connect_blocking;
 
 use crate::errors::Problems;
-use crate::settings::{BucketsArg, StoreArgs};
+use crate::settings::StoreArgs;
 
 /// `tally inspect ...`.
 #[derive(Subcommand)]
@@ -35,38 +36,44 @@ pub enum Inspect {
 pub struct InspectPost {
     /// The post to inspect.
     pub post_id: u64,
-    /// Buckets of a post without routing metadata.
-    #[command(flatten)]
-    pub buckets: BucketsArg,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
 }
 
 /// Runs `tally inspect`.
-pub fn inspect(inspect: Inspect) -> Result<()> {
+pub async fn inspect(inspect: Inspect) -> Result<()> {
     let Inspect::Post(args) = inspect;
-    print!("{}", inspect_post(&args)?);
+    let settings = args.store.settings().map_err(Problems)?;
+    let (opened, record) = tally::domain::layout::open_for_reading(&settings).await?;
+    let report = tokio::task::block_in_place(|| inspect_post(&args, &opened, &settings, &record))?;
+    print!("{report}");
     Ok(())
 }
 
 /// Renders the report for one post.
-pub fn inspect_post(args: &InspectPost) -> Result<String> {
-    let settings = args.store.settings().map_err(Problems)?;
+fn inspect_post(
+    args: &InspectPost,
+    opened: &OpenStore,
+    settings: &StoreSettings,
+    record: &Record,
+) -> Result<String> {
     let target = settings.url().target();
     let map = SlotMap::read(target).context("reading the slot map")?;
     let mut conn = connect_blocking(target, Duration::from_secs(3))
         .with_context(|| format!("cannot reach Redis at {}", settings.url().shown()))?;
     let current =
         tally::domain::generation::read_pointer_blocking(conn.as_mut(), settings.prefix())?;
-    let keys = base_keys(&settings).with_prefix(tally::domain::generation::prefix_of(
-        settings.prefix(),
-        current,
-    ));
+    let keys = opened
+        .keys
+        .with_prefix(tally::domain::generation::prefix_of(
+            settings.prefix(),
+            current,
+        ));
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.route_key(args.post_id))
         .query(conn.as_mut())?;
-    let meta = PostMeta::from_fields(&fields, args.buckets.get()?);
+    let meta = PostMeta::from_fields(&fields, record.buckets);
     let mut out = String::new();
     writeln!(
         out,

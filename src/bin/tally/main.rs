@@ -61,7 +61,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Produce(config) => tools::produce::produce(*config).await,
         Command::Bench(config) => tools::bench::bench(*config).await,
         Command::BenchBaseline(args) => tools::bench::baseline(*args).await,
-        Command::Inspect(inspect) => inspect::inspect(inspect),
+        Command::Inspect(inspect) => inspect::inspect(inspect).await,
         Command::Count(args) => reads::count(&args).await,
         Command::Serve(args) => serve::serve(args).await,
         Command::Promote(args) => ops::route(&args, tally::ops::promote::Direction::Promote).await,

@@ -22,12 +22,10 @@ use crate::settings::{RunArgs, StoreArgs};
 pub struct RouteArgs {
     /// The post.
     pub post_id: u64,
-    /// Buckets of the new version (promote: default 64; demote: default --default-buckets).
-    #[arg(long = "buckets", value_name = "N")]
+    /// Buckets of the new version (promote: default 64; demote: default version 0's, from
+    /// the prefix's layout record).
+    #[arg(long, value_name = "N")]
     pub to_buckets: Option<u32>,
-    /// Buckets of a post without routing metadata (what `tally run --buckets` says).
-    #[arg(long, env = "TALLY_BUCKETS", default_value_t = tally::infra::config::DEFAULT_BUCKETS)]
-    pub default_buckets: u32,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -203,7 +201,6 @@ pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
         post_id: args.post_id,
         direction,
         to_buckets: args.to_buckets,
-        default_buckets: args.default_buckets,
     };
     let routed = tally::ops::promote::change_route(&store, change).await?;
     println!(

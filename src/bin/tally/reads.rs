@@ -8,7 +8,7 @@ use clap::Args;
 use tally::read::Reader;
 
 use crate::errors::Problems;
-use crate::settings::{BucketsArg, StoreArgs};
+use crate::settings::StoreArgs;
 
 /// Settings of `tally count`.
 #[derive(Clone, Args)]
@@ -22,9 +22,6 @@ pub struct CountArgs {
     /// Also print the current generation's key prefix and every key summed.
     #[arg(long)]
     pub show_keys: bool,
-    /// Buckets of a post without routing metadata.
-    #[command(flatten)]
-    pub buckets: BucketsArg,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -33,13 +30,8 @@ pub struct CountArgs {
 /// Runs `tally count`.
 pub async fn count(args: &CountArgs) -> anyhow::Result<()> {
     let store = args.store.settings().map_err(Problems)?;
-    let opened = tally::domain::layout::open(&store).await?;
-    let reader = Reader::new(
-        opened.store,
-        opened.keys,
-        args.buckets.get()?,
-        Duration::ZERO,
-    );
+    let (opened, record) = tally::domain::layout::open_for_reading(&store).await?;
+    let reader = Reader::new(opened.store, opened.keys, record.buckets, Duration::ZERO);
     let counts = reader.counts(&args.post_ids).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&counts)?);

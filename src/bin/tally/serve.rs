@@ -25,7 +25,7 @@ use serde_json::json;
 use tally::read::Reader;
 use tracing::info;
 
-use crate::settings::{BucketsArg, StoreArgs};
+use crate::settings::StoreArgs;
 
 /// Ids one `/v1/likes` request may ask for.
 pub const MAX_IDS: usize = 1_000;
@@ -39,9 +39,6 @@ pub struct ServeArgs {
     /// How long a count is served from the cache (milliseconds; 0 turns the cache off).
     #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = 1_000)]
     pub cache_ttl_ms: u64,
-    /// Buckets of a post without routing metadata.
-    #[command(flatten)]
-    pub buckets: BucketsArg,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -123,8 +120,8 @@ pub fn router(reader: Reader) -> Router {
 /// Runs `tally serve` until SIGINT or SIGTERM.
 pub async fn serve(args: ServeArgs) -> Result<()> {
     let store = args.store.settings().map_err(crate::errors::Problems)?;
-    let buckets = args.buckets.get()?;
-    let opened = tally::domain::layout::open(&store).await?;
+    let (opened, record) = tally::domain::layout::open_for_reading(&store).await?;
+    let buckets = record.buckets;
     let reader = Reader::new(
         opened.store,
         opened.keys,

@@ -96,12 +96,14 @@ impl StoreArgs {
     }
 }
 
-/// Version 0's bucket count, for every command that needs it.
+/// Version 0's bucket count, for the commands that write (readers take it
+/// from the prefix's layout record).
 #[derive(Clone, Copy, Args, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", default)]
 #[command(next_help_heading = REDIS)]
 pub struct BucketsArg {
-    /// Buckets per post (N): bucket = xxh64(user_id) % N. Changing it moves users between buckets.
+    /// Buckets per post (N): bucket = xxh64(user_id) % N. Fixed for the prefix by its layout
+    /// record once the first `tally run` wrote it.
     #[arg(long, env = "TALLY_BUCKETS", default_value_t = lib::DEFAULT_BUCKETS)]
     pub buckets: u32,
 }
@@ -109,16 +111,6 @@ pub struct BucketsArg {
 impl Default for BucketsArg {
     fn default() -> Self {
         defaults()
-    }
-}
-
-impl BucketsArg {
-    /// The bucket count, checked.
-    pub fn get(&self) -> Result<u32, ConfigError> {
-        if self.buckets == 0 || self.buckets > 1 << 20 {
-            return Err(lib::bad("buckets", "must be between 1 and 1048576"));
-        }
-        Ok(self.buckets)
     }
 }
 
@@ -242,7 +234,8 @@ pub struct RunArgs {
     pub test_script_pause_ms: u64,
 
     /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000. In the
-    /// file, a [kafka-config] table.
+    /// file, a [kafka-config] table. Commits, offset storage, auto.offset.reset and
+    /// isolation.level stay tally's.
     #[arg(short = 'X', long = "kafka-config", env = "TALLY_KAFKA_CONFIG", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = parse_key_value, help_heading = KAFKA)]
     #[serde(with = "kafka_table")]
     pub kafka_config: Vec<(String, String)>,

@@ -41,7 +41,7 @@ use crate::tools::produce::{Plan, progress_bar, send};
 use report::{render, thousands, write_between_markers};
 use services::{start_redis, start_tansu};
 use tally::generate::TrafficShape;
-use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_SLOT_GROUPS, StoreSettings};
+use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
 use tally::read::Reader;
 use tally_run::{Latency, LatencyPlan};
 
@@ -404,8 +404,8 @@ fn check_sample(
         tokio::runtime::Handle::current().block_on(async {
             let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
                 .map_err(crate::errors::Problems)?;
-            let opened = tally::domain::layout::open(&settings).await?;
-            let reader = Reader::new(opened.store, opened.keys, DEFAULT_BUCKETS, Duration::ZERO);
+            let (opened, record) = tally::domain::layout::open_for_reading(&settings).await?;
+            let reader = Reader::new(opened.store, opened.keys, record.buckets, Duration::ZERO);
             let mut counts = Vec::with_capacity(ids.len());
             for chunk in ids.chunks(500) {
                 counts.extend(reader.counts(chunk).await?);
