@@ -289,38 +289,23 @@ pub async fn ensure_record(
 /// The first difference between a writer's settings (`proposed`) and the
 /// record in force, with what to do about it.
 pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mismatch> {
-    let key = record_key(base);
-    let mismatch = |flag, given: String, stored: String, remedy: String| Mismatch {
-        flag,
-        given,
-        stored,
-        key: key.clone(),
-        remedy,
-    };
-    if proposed.group != stored.group {
-        return Err(mismatch(
+    let (group, topic) = (&stored.group, &stored.topic);
+    let checks = [
+        (
             "group",
             proposed.group.clone(),
-            stored.group.clone(),
+            group.clone(),
             format!(
-                "the prefix holds the fences of group {}; run with --group {}, or give this group a --prefix of its own (a canary counts into its own prefix)",
-                stored.group, stored.group
+                "the prefix holds the fences of group {group}; run with --group {group}, or give this group a --prefix of its own (a canary counts into its own prefix)"
             ),
-        ));
-    }
-    if proposed.topic != stored.topic {
-        return Err(mismatch(
+        ),
+        (
             "topic",
             proposed.topic.clone(),
-            stored.topic.clone(),
-            format!(
-                "run with --topic {}, or count this topic into a --prefix of its own",
-                stored.topic
-            ),
-        ));
-    }
-    if proposed.buckets != stored.buckets {
-        return Err(mismatch(
+            topic.clone(),
+            format!("run with --topic {topic}, or count this topic into a --prefix of its own"),
+        ),
+        (
             "buckets",
             proposed.buckets.to_string(),
             stored.buckets.to_string(),
@@ -328,10 +313,8 @@ pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mis
                 "run with --buckets {} (a new count would move users between buckets; it is a rebuild into a new --prefix, not a changed flag)",
                 stored.buckets
             ),
-        ));
-    }
-    if proposed.slot_groups != stored.slot_groups {
-        return Err(mismatch(
+        ),
+        (
             "slot-groups",
             proposed.slot_groups.to_string(),
             stored.slot_groups.to_string(),
@@ -339,9 +322,21 @@ pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mis
                 "run with --slot-groups {} (the fences cover fixed slot groups; another count is a rebuild into a new --prefix, then the switch)",
                 stored.slot_groups
             ),
-        ));
+        ),
+    ];
+    match checks
+        .into_iter()
+        .find(|(_, given, stored, _)| given != stored)
+    {
+        Some((flag, given, stored, remedy)) => Err(Mismatch {
+            flag,
+            given,
+            stored,
+            key: record_key(base),
+            remedy,
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 #[cfg(test)]
