@@ -395,6 +395,22 @@ mod tests {
         ]
     }
 
+    /// Each group holds exactly the sum of its events up to its fence.
+    fn holds_its_events(store: &Store, log: &[(u8, i64)]) -> Result<(), TestCaseError> {
+        for g in 0..GROUPS {
+            let applied = (store.fence(g) + 1) as usize;
+            let mut expected: HashMap<u8, i64> = HashMap::new();
+            for &(key, delta) in log[..applied].iter().filter(|(k, _)| group_of(*k) == g) {
+                *expected.entry(key).or_default() += delta;
+            }
+            expected.retain(|_, v| *v != 0);
+            let mut got = store.groups[g as usize].0.clone();
+            got.retain(|_, v| *v != 0);
+            prop_assert_eq!(got, expected, "group {}", g);
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3000))]
 
@@ -429,17 +445,7 @@ mod tests {
                     Op::ReassignB => b = Consumer::assigned(&store, cuts_b.clone()),
                 }
                 history.push(store.clone());
-                for g in 0..GROUPS {
-                    let applied = (store.fence(g) + 1) as usize;
-                    let mut expected: HashMap<u8, i64> = HashMap::new();
-                    for &(key, delta) in log[..applied].iter().filter(|(k, _)| group_of(*k) == g) {
-                        *expected.entry(key).or_default() += delta;
-                    }
-                    expected.retain(|_, v| *v != 0);
-                    let mut got = store.groups[g as usize].0.clone();
-                    got.retain(|_, v| *v != 0);
-                    prop_assert_eq!(got, expected, "group {}", g);
-                }
+                holds_its_events(&store, &log)?;
             }
             let end = log.len() as i64 - 1;
             let mut owner = Consumer::assigned(&store, cuts_b);
@@ -611,17 +617,7 @@ mod tests {
                     }
                 }
                 history.push(store.clone());
-                for g in 0..GROUPS {
-                    let applied = (store.fence(g) + 1) as usize;
-                    let mut expected: HashMap<u8, i64> = HashMap::new();
-                    for &(key, delta) in log[..applied].iter().filter(|(k, _)| group_of(*k) == g) {
-                        *expected.entry(key).or_default() += delta;
-                    }
-                    expected.retain(|_, v| *v != 0);
-                    let mut got = store.groups[g as usize].0.clone();
-                    got.retain(|_, v| *v != 0);
-                    prop_assert_eq!(got, expected, "group {}", g);
-                }
+                holds_its_events(&store, &log)?;
             }
             let end = log.len() as i64 - 1;
             let mut owner = Consumer::assigned(&store, cuts[0].clone());
