@@ -85,13 +85,7 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier), Op
     }
     let opened = layout::open(&settings.store).await?;
     if let Some(record) = layout::read_record(&opened.store, settings.store.prefix()).await? {
-        let proposed = layout::Record {
-            buckets: settings.buckets,
-            slot_groups: opened.keys.groups().count(),
-            topic: settings.kafka.topic.clone(),
-            group: settings.kafka.group.clone(),
-            ..record.clone()
-        };
+        let proposed = layout::Record::of_writer(settings, record.created_at_ms);
         layout::compare(settings.store.prefix(), &proposed, &record).map_err(LayoutError::from)?;
     }
     let applier = Applier::new(

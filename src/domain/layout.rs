@@ -27,7 +27,7 @@ use redis::RedisError;
 
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
-use crate::infra::config::StoreSettings;
+use crate::infra::config::{RunSettings, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
@@ -131,6 +131,18 @@ pub struct Record {
 }
 
 impl Record {
+    /// The record a writer with `settings` would write at `created_at_ms`.
+    pub fn of_writer(settings: &RunSettings, created_at_ms: i64) -> Record {
+        Record {
+            format: FORMAT,
+            buckets: settings.buckets,
+            slot_groups: slot_groups(&settings.store).count(),
+            topic: settings.kafka.topic.clone(),
+            group: settings.kafka.group.clone(),
+            created_at_ms,
+        }
+    }
+
     fn fields(&self) -> Vec<(&'static str, String)> {
         vec![
             ("format", self.format.to_string()),

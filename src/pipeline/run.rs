@@ -221,14 +221,7 @@ pub async fn run_with(
 /// earlier version wrote without one) and refuses settings that differ from it.
 async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<(), RunError> {
     let base = settings.store.prefix();
-    let proposed = Record {
-        format: layout::FORMAT,
-        buckets: settings.buckets,
-        slot_groups: opened.keys.groups().count(),
-        topic: settings.kafka.topic.clone(),
-        group: settings.kafka.group.clone(),
-        created_at_ms: wall_ms(),
-    };
+    let proposed = Record::of_writer(settings, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
         let origin = opened
