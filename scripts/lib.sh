@@ -57,6 +57,23 @@ ensure_compose() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
 }
 
+# Installs Debian's prometheus package for promtool (the deploy test runs `promtool check rules`
+# and `promtool test rules` on deploy/prometheus/). Only promtool is used: the server the package
+# would start on a systemd host is stopped and disabled.
+ensure_promtool() {
+    if command -v promtool >/dev/null 2>&1; then
+        return
+    fi
+    say "promtool not found: installing Debian's prometheus with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        prometheus >/dev/null
+    if command -v systemctl >/dev/null 2>&1; then
+        as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+    say "installed $(promtool --version 2>&1 | head -n 1)"
+}
+
 # Path of the tansu binary, or nothing.
 tansu_path() {
     if [ -x "$HOME/.cargo/bin/tansu" ]; then

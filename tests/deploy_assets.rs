@@ -1,9 +1,11 @@
 //! Deploy assets stay true to the binary: every file under `deploy/` parses,
 //! the Grafana dashboard and the alert rules name only metrics tally exports
-//! (`tally::infra::metrics::ALL`), the Prometheus rule file and the PrometheusRule
-//! carry the same alerts, the shipped settings file is valid, KEDA never scales
-//! past the partition count, and `docker compose config` accepts
-//! `docker-compose.yml` (with and without the cluster profile).
+//! (`tally::infra::metrics::ALL`), the Prometheus rule files and the PrometheusRule
+//! carry the same alerts, each with a `for:`, a runbook link and promtool unit
+//! tests that fire and that stay quiet (run here with promtool), the shipped
+//! settings file is valid, KEDA never scales past the partition count, and
+//! `docker compose config` accepts `docker-compose.yml` (with and without the
+//! cluster profile).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,6 +14,15 @@ use tally::infra::metrics::{ALL, Kind};
 use yaml_rust2::{Yaml, YamlLoader};
 
 const COMPOSE_INSTALL: &str = "apt-get update && apt-get install -y docker-compose";
+const PROMTOOL_INSTALL: &str =
+    "apt-get update && apt-get install -y --no-install-recommends prometheus";
+
+/// The Prometheus rule files: tally's alerts, and those on Kubernetes objects
+/// that only the PrometheusRule carries.
+const RULE_FILES: [&str; 2] = [
+    "deploy/prometheus/alerts.yml",
+    "deploy/prometheus/kubernetes-alerts.yml",
+];
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -117,10 +128,7 @@ fn dashboard_exprs() -> Vec<String> {
 
 fn alert_exprs() -> Vec<String> {
     let mut exprs = Vec::new();
-    for file in [
-        "deploy/prometheus/alerts.yml",
-        "deploy/k8s/prometheusrule.yaml",
-    ] {
+    for file in RULE_FILES.iter().chain(&["deploy/k8s/prometheusrule.yaml"]) {
         for doc in yaml(&repo().join(file)) {
             yaml_exprs(&doc, &mut exprs);
         }
@@ -193,14 +201,180 @@ fn dashboards_and_alerts_name_only_exported_metrics() {
 }
 
 #[test]
-fn the_prometheus_rule_carries_the_rule_file() {
-    let file = &yaml(&repo().join("deploy/prometheus/alerts.yml"))[0];
+fn the_prometheus_rule_carries_the_rule_files() {
     let rule = &yaml(&repo().join("deploy/k8s/prometheusrule.yaml"))[0];
     assert_eq!(rule["kind"].as_str(), Some("PrometheusRule"));
+    let mut groups = Vec::new();
+    for file in RULE_FILES {
+        let doc = &yaml(&repo().join(file))[0];
+        groups.extend(doc["groups"].as_vec().expect("groups").iter().cloned());
+    }
     assert_eq!(
-        rule["spec"]["groups"], file["groups"],
-        "deploy/k8s/prometheusrule.yaml and deploy/prometheus/alerts.yml differ"
+        rule["spec"]["groups"],
+        Yaml::Array(groups),
+        "deploy/k8s/prometheusrule.yaml differs from the groups of {RULE_FILES:?}"
     );
+    assert!(
+        rule["metadata"]["labels"]["release"].as_str().is_some(),
+        "the PrometheusRule lacks the `release` label kube-prometheus-stack selects rules by"
+    );
+}
+
+/// Every alerting rule of the rule files.
+fn alert_rules() -> Vec<Yaml> {
+    let mut rules = Vec::new();
+    for file in RULE_FILES {
+        let doc = &yaml(&repo().join(file))[0];
+        for group in doc["groups"].as_vec().expect("groups") {
+            for rule in group["rules"].as_vec().expect("rules") {
+                if rule["alert"].as_str().is_some() {
+                    rules.push(rule.clone());
+                }
+            }
+        }
+    }
+    rules
+}
+
+fn alert_name(rule: &Yaml) -> &str {
+    rule["alert"].as_str().expect("alert")
+}
+
+#[test]
+fn every_failure_has_an_alert() {
+    let names: Vec<String> = alert_rules()
+        .iter()
+        .map(|r| alert_name(r).to_string())
+        .collect();
+    for needed in [
+        "TallyLagGrowing",
+        "TallyNoProgress",
+        "TallyBadMessages",
+        "TallyDeadLettersStuck",
+        "TallyApplyErrors",
+        "TallyApplySlow",
+        "TallyResyncs",
+        "TallyZombieSuspected",
+        "TallyRebalanceStorm",
+        "TallyNoPartitionsAssigned",
+        "TallyDown",
+        "TallyTargetMissing",
+        "TallyPodsNotReady",
+    ] {
+        assert!(
+            names.iter().any(|n| n == needed),
+            "no alert {needed} in {RULE_FILES:?}"
+        );
+    }
+}
+
+#[test]
+fn every_alert_waits_and_links_its_runbook() {
+    for rule in alert_rules() {
+        let name = alert_name(&rule);
+        assert!(
+            rule["for"].as_str().is_some_and(|f| !f.is_empty()),
+            "{name} has no `for:`: one evaluation is not enough to page"
+        );
+        assert!(
+            matches!(
+                rule["labels"]["severity"].as_str(),
+                Some("warning" | "critical")
+            ),
+            "{name}: severity must be warning or critical"
+        );
+        let runbook = format!("docs/operations.md#{}", name.to_lowercase());
+        assert_eq!(
+            rule["annotations"]["runbook_url"].as_str(),
+            Some(runbook.as_str()),
+            "{name}'s runbook_url"
+        );
+        for annotation in ["summary", "description"] {
+            assert!(
+                rule["annotations"][annotation].as_str().is_some(),
+                "{name} has no {annotation}"
+            );
+        }
+    }
+}
+
+/// The promtool unit-test files, `deploy/prometheus/tests/*.yml`.
+fn promtool_tests() -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    files_under(&repo().join("deploy/prometheus/tests"), &mut files);
+    files.retain(|f| f.extension().is_some_and(|e| e == "yml"));
+    files.sort();
+    files
+}
+
+#[test]
+fn every_alert_has_unit_tests_that_fire_and_that_stay_quiet() {
+    let mut fires = std::collections::BTreeSet::new();
+    let mut quiet = std::collections::BTreeSet::new();
+    for file in promtool_tests() {
+        let doc = &yaml(&file)[0];
+        for rule_file in doc["rule_files"].as_vec().expect("rule_files") {
+            let path = file.parent().unwrap().join(rule_file.as_str().unwrap());
+            assert!(path.exists(), "{}: no {}", file.display(), path.display());
+        }
+        for case in doc["tests"].as_vec().expect("tests") {
+            for input in case["input_series"].as_vec().into_iter().flatten() {
+                let series = input["series"].as_str().expect("series");
+                for name in metric_names(series) {
+                    assert!(
+                        exported(&name),
+                        "{}: {series} is not a series tally exports",
+                        file.display()
+                    );
+                }
+            }
+            for check in case["alert_rule_test"].as_vec().into_iter().flatten() {
+                let name = check["alertname"].as_str().expect("alertname").to_string();
+                match check["exp_alerts"].as_vec() {
+                    Some(alerts) if !alerts.is_empty() => fires.insert(name),
+                    _ => quiet.insert(name),
+                };
+            }
+        }
+    }
+    for rule in alert_rules() {
+        let name = alert_name(&rule);
+        assert!(
+            fires.contains(name),
+            "no promtool test in deploy/prometheus/tests shows {name} firing"
+        );
+        assert!(
+            quiet.contains(name),
+            "no promtool test in deploy/prometheus/tests shows {name} staying quiet"
+        );
+    }
+}
+
+#[test]
+fn promtool_checks_and_tests_the_rules() {
+    let found = Command::new("promtool").arg("--version").output();
+    if !found.is_ok_and(|out| out.status.success()) {
+        panic!("promtool is not installed; run: {PROMTOOL_INSTALL}");
+    }
+    let tests = promtool_tests();
+    assert!(!tests.is_empty(), "no deploy/prometheus/tests/*.yml");
+    for (what, files) in [
+        ("check", RULE_FILES.iter().map(PathBuf::from).collect()),
+        ("test", tests),
+    ] {
+        let out = Command::new("promtool")
+            .args([what, "rules"])
+            .args(&files)
+            .current_dir(repo())
+            .output()
+            .expect("run promtool");
+        assert!(
+            out.status.success(),
+            "promtool {what} rules failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]
