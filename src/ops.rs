@@ -78,16 +78,21 @@ impl OpError {
 
 /// Checks `settings` and opens their store, with an applier of the live
 /// group's fences under the base key layout (generation 0; callers move it
-/// to the generation they work on).
-async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier), OpError> {
+/// to the generation they work on), and version 0's bucket count (the
+/// record's, or the settings' for a prefix not written yet).
+async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier, u32), OpError> {
     if let Some(problem) = settings.problems().into_iter().next() {
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
-    if let Some(record) = layout::read_record(&opened.store, settings.store.prefix()).await? {
-        let proposed = layout::Record::of_writer(settings, record.created_at_ms);
-        layout::compare(settings.store.prefix(), &proposed, &record).map_err(LayoutError::from)?;
-    }
+    let proposed = layout::Record::of_writer(settings, 0);
+    let epoch0 = match layout::read_record(&opened.store, settings.store.prefix()).await? {
+        Some(record) => {
+            layout::check_writer(&opened, &proposed, &record).await?;
+            record.buckets
+        }
+        None => proposed.buckets,
+    };
     let applier = Applier::new(
         opened.store.clone(),
         opened.target().clone(),
@@ -95,5 +100,5 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier), Op
         &settings.kafka.group,
         &settings.kafka.topic,
     );
-    Ok((opened, applier))
+    Ok((opened, applier, epoch0))
 }

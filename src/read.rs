@@ -1,13 +1,15 @@
 //! Read: a post's like count, summed over every key a writer may have used.
 //!
-//! Invariant: a read sums the base and every version listed in the post's
-//! route hash, read *before* its counters, so by [`crate::domain::versions`] it never
-//! sums fewer keys than any writer uses; a read whose two steps take longer
-//! than [`READ_DEADLINE`] is started again.
+//! Invariant: a read sums the base, every version listed in the post's
+//! route hash and every epoch of the default layout, both read *before* its
+//! counters, so by [`crate::domain::versions`] it never sums fewer keys than
+//! any writer uses; a read whose two steps take longer than
+//! [`READ_DEADLINE`] is started again.
 //!
-//! Round trips: one pipeline reads the route hash and the version-0 buckets
-//! of every post asked for; a second reads the buckets of other versions, for
-//! hot posts only. On a cluster a pipeline may not span slots, so each is cut
+//! Round trips: one pipeline reads the default layout, the route hash and
+//! the buckets of every default epoch of every post asked for (the epochs
+//! the previous read found); a second reads the buckets of other versions,
+//! for hot posts only, and of an epoch the first read had not known. On a cluster a pipeline may not span slots, so each is cut
 //! into one pipeline per hash slot, sent concurrently; route hashes share
 //! their post's slot groups, so a read touches at most as many slots as there
 //! are slot groups. Counts of
@@ -40,7 +42,9 @@ use tokio::sync::watch;
 use crate::domain::generation;
 use crate::domain::routing::{CounterId, KeyLayout};
 use crate::domain::slots::key_slot;
-use crate::domain::versions::{PostMeta, READ_DEADLINE, wall_ms};
+use crate::domain::versions::{
+    DEFAULT_FIELD, Defaults, PostMeta, READ_DEADLINE, read_defaults, wall_ms,
+};
 use crate::infra::store::Shared;
 
 /// How long a reader trusts the generation pointer it read.
@@ -77,8 +81,23 @@ impl From<RedisError> for ReadError {
 
 type Pending = watch::Receiver<Option<Result<Count, ReadError>>>;
 
-/// A one-key command: the key and the command's name.
-type KeyCommand = (String, &'static str);
+/// A one-key command: the command's name, the key and a hash field, if any.
+#[derive(Debug, Clone)]
+struct KeyCommand {
+    name: &'static str,
+    key: String,
+    field: Option<&'static str>,
+}
+
+impl KeyCommand {
+    fn get(key: String) -> Self {
+        Self {
+            name: "GET",
+            key,
+            field: None,
+        }
+    }
+}
 
 /// Reads counts, with a per-process cache and coalesced misses. Cheap to clone.
 #[derive(Clone)]
@@ -92,7 +111,11 @@ struct Inner {
     base: KeyLayout,
     /// The generation last read, its layout, and when.
     layout: Mutex<(u64, KeyLayout, Option<Instant>)>,
-    default_buckets: u32,
+    /// Version 0's bucket count, from the layout record.
+    epoch0: u32,
+    /// The default layout the last read found: the first round trip reads
+    /// its keys, and learns whether it still holds.
+    defaults: Mutex<Defaults>,
     ttl: Duration,
     cache: Mutex<FxHashMap<u64, (Count, Instant)>>,
     pending: Mutex<FxHashMap<u64, Pending>>,
@@ -117,15 +140,17 @@ impl Drop for Leading<'_> {
 
 impl Reader {
     /// A reader over `store`, caching counts for `ttl` (zero: no cache).
-    /// `keys` is the layout under the base prefix (`--prefix`); counts are
+    /// `keys` is the layout under the base prefix (`--prefix`) and `epoch0`
+    /// version 0's bucket count, both from the layout record; counts are
     /// read from the generation the pointer names.
-    pub fn new(store: Shared, keys: KeyLayout, default_buckets: u32, ttl: Duration) -> Self {
+    pub fn new(store: Shared, keys: KeyLayout, epoch0: u32, ttl: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
                 store,
                 layout: Mutex::new((0, keys.clone(), None)),
                 base: keys,
-                default_buckets,
+                epoch0,
+                defaults: Mutex::new(Defaults::fixed(epoch0)),
                 ttl,
                 cache: Mutex::new(FxHashMap::default()),
                 pending: Mutex::new(FxHashMap::default()),
@@ -163,16 +188,46 @@ impl Reader {
     /// Every key a read of `post_id` sums now, and the generation's prefix.
     pub async fn summed_keys(&self, post_id: u64) -> Result<(String, Vec<String>), ReadError> {
         let (_, keys) = self.layout().await?;
-        let route = keys.route_key(post_id);
-        let fields: Vec<(String, String)> = self
-            .inner
-            .store
-            .call(
-                |mut s| async move { redis::cmd("HGETALL").arg(&route).query_async(&mut s).await },
-            )
+        let replies = self
+            .query(vec![
+                Self::defaults_command(&keys),
+                Self::route_command(&keys, post_id),
+            ])
             .await?;
-        let meta = PostMeta::from_fields(&fields, self.inner.default_buckets);
+        let defaults = self.defaults_from(&keys, &replies[0])?;
+        let fields: Vec<(String, String)> =
+            redis::from_redis_value_ref(&replies[1]).map_err(RedisError::from)?;
+        let meta = PostMeta::from_fields(&fields, &defaults);
         Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
+    }
+
+    fn defaults_command(keys: &KeyLayout) -> KeyCommand {
+        KeyCommand {
+            name: "HGET",
+            key: keys.registry_key(),
+            field: Some(DEFAULT_FIELD),
+        }
+    }
+
+    fn route_command(keys: &KeyLayout, post_id: u64) -> KeyCommand {
+        KeyCommand {
+            name: "HGETALL",
+            key: keys.route_key(post_id),
+            field: None,
+        }
+    }
+
+    /// The default layout from the registry's `default` field, remembered
+    /// for the next read's first round trip.
+    fn defaults_from(&self, keys: &KeyLayout, reply: &Value) -> Result<Defaults, RedisError> {
+        let entry: Option<String> = redis::from_redis_value_ref(reply)?;
+        let defaults = read_defaults(&keys.registry_key(), entry.as_deref(), self.inner.epoch0)?;
+        *self
+            .inner
+            .defaults
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = defaults.clone();
+        Ok(defaults)
     }
 
     /// Fetches sent to Redis so far (each one or two pipelines, for any number of posts).
@@ -278,34 +333,43 @@ impl Reader {
     }
 
     async fn fetch_once(&self, posts: &[u64]) -> Result<Vec<Count>, RedisError> {
-        let inner = &self.inner;
         let as_of_ms = wall_ms();
         let (_, keys) = self.layout().await?;
-        let default = PostMeta::from_fields(&[], inner.default_buckets);
-        let per_post = inner.default_buckets as usize;
-        let mut first: Vec<KeyCommand> = posts
-            .iter()
-            .map(|&p| (keys.route_key(p), "HGETALL"))
-            .collect();
+        // The keys of a post without versions of its own, under the default
+        // layout the last read found; read with the route hashes.
+        let known = self
+            .inner
+            .defaults
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let guess = PostMeta::from_fields(&[], &known);
+        let mut offsets = Vec::with_capacity(guess.versions.len());
+        let mut per_post = 0;
+        for &version in &guess.versions {
+            offsets.push((version, per_post));
+            per_post += version.1 as usize;
+        }
+        let mut first = vec![Self::defaults_command(&keys)];
+        first.extend(posts.iter().map(|&p| Self::route_command(&keys, p)));
         for &post in posts {
-            first.extend(default.keys(&keys, post).into_iter().map(|k| (k, "GET")));
+            first.extend(guess.keys(&keys, post).into_iter().map(KeyCommand::get));
         }
         let mut replies = self.query(first).await?;
-        let values = replies.split_off(posts.len());
+        let values = replies.split_off(posts.len() + 1);
+        let defaults = self.defaults_from(&keys, &replies[0])?;
         let mut counts = Vec::with_capacity(posts.len());
         let mut extra: Vec<(usize, KeyCommand)> = Vec::new();
-        for (i, (&post_id, fields)) in posts.iter().zip(replies).enumerate() {
-            let fields: Vec<(String, String)> = redis::from_redis_value(fields)?;
-            let meta = PostMeta::from_fields(&fields, inner.default_buckets);
-            let routed_default = meta.versions.first() == Some(&(0, inner.default_buckets));
+        for (i, (&post_id, fields)) in posts.iter().zip(&replies[1..]).enumerate() {
+            let fields: Vec<(String, String)> = redis::from_redis_value_ref(fields)?;
+            let meta = PostMeta::from_fields(&fields, &defaults);
             let mut likes = meta.base;
-            if routed_default {
-                for value in &values[i * per_post..(i + 1) * per_post] {
-                    likes += redis::from_redis_value_ref::<Option<i64>>(value)?.unwrap_or(0);
-                }
-            }
             for &(version, buckets) in &meta.versions {
-                if version == 0 && routed_default {
+                if let Some(&(_, at)) = offsets.iter().find(|(v, _)| *v == (version, buckets)) {
+                    let start = i * per_post + at;
+                    for value in &values[start..start + buckets as usize] {
+                        likes += redis::from_redis_value_ref::<Option<i64>>(value)?.unwrap_or(0);
+                    }
                     continue;
                 }
                 for bucket in 0..buckets {
@@ -314,7 +378,7 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, (keys.key_of(id), "GET")));
+                    extra.push((i, KeyCommand::get(keys.key_of(id))));
                 }
             }
             counts.push(Count {
@@ -338,8 +402,11 @@ impl Reader {
     async fn query(&self, commands: Vec<KeyCommand>) -> Result<Vec<Value>, RedisError> {
         let pipeline = |part: &[(usize, &KeyCommand)]| {
             let mut pipe = redis::pipe();
-            for (_, (key, name)) in part {
-                pipe.cmd(name).arg(key);
+            for (_, command) in part {
+                pipe.cmd(command.name).arg(&command.key);
+                if let Some(field) = command.field {
+                    pipe.arg(field);
+                }
             }
             pipe
         };
@@ -348,7 +415,7 @@ impl Reader {
         if self.inner.base.groups().is_cluster() {
             for item in indexed {
                 by_slot
-                    .entry(key_slot(item.1.0.as_bytes()))
+                    .entry(key_slot(item.1.key.as_bytes()))
                     .or_default()
                     .push(item);
             }

@@ -20,13 +20,19 @@
 //! script, and every later writer compares its settings with the record and
 //! refuses to start on a mismatch, naming the flag, the stored value and the
 //! remedy ([`Mismatch`]). Readers take the bucket count from the record.
+//! The record's bucket count is version 0's for good; `tally rebucket`
+//! changes the count of later events as a new epoch of the default layout
+//! (see [`crate::domain::versions`]), and a writer's `--buckets` must then
+//! name the newest epoch's count.
 //! Data written before the record existed is adopted on the first start: the
 //! record is written from the flags of that start, which is logged.
 
 use redis::RedisError;
 
+use crate::domain::generation;
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
+use crate::domain::versions::{DEFAULT_FIELD, Defaults, read_defaults};
 use crate::infra::config::{RunSettings, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
@@ -298,14 +304,79 @@ pub async fn ensure_record(
     Ok((Record::from_fields(&key, &fields)?, written))
 }
 
+/// The default layout writers of the prefix use now: the current
+/// generation's, starting from the record's bucket count.
+pub async fn current_defaults(
+    store: &Shared,
+    base: &KeyLayout,
+    record: &Record,
+) -> Result<Defaults, RedisError> {
+    let registry = generation::current_layout(store, base)
+        .await?
+        .registry_key();
+    let entry: Option<String> = store
+        .call(|mut s| {
+            let registry = registry.clone();
+            async move {
+                redis::cmd("HGET")
+                    .arg(&registry)
+                    .arg(DEFAULT_FIELD)
+                    .query_async(&mut s)
+                    .await
+            }
+        })
+        .await?;
+    read_defaults(&registry, entry.as_deref(), record.buckets)
+}
+
+/// Compares a writer's settings (`proposed`) with the record in force and
+/// the bucket count writers use now.
+pub async fn check_writer(
+    opened: &OpenStore,
+    proposed: &Record,
+    stored: &Record,
+) -> Result<(), LayoutError> {
+    let defaults = current_defaults(&opened.store, &opened.keys, stored).await?;
+    compare(
+        opened.keys.prefix(),
+        proposed,
+        stored,
+        defaults.latest().buckets,
+    )?;
+    Ok(())
+}
+
 /// The first difference between a writer's settings (`proposed`) and the
-/// record in force, with what to do about it.
-pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mismatch> {
+/// record in force (with `buckets_now`, the newest default epoch's count),
+/// with what to do about it.
+pub fn compare(
+    base: &str,
+    proposed: &Record,
+    stored: &Record,
+    buckets_now: u32,
+) -> Result<(), Mismatch> {
     let (group, topic) = (&stored.group, &stored.topic);
+    let (buckets_shown, buckets_remedy) = if buckets_now == stored.buckets {
+        (
+            stored.buckets.to_string(),
+            format!(
+                "run with --buckets {buckets_now} (another count for new events is `tally rebucket --to-buckets N`, made while tally runs)"
+            ),
+        )
+    } else {
+        (
+            format!("{}, rebucketed to {buckets_now}", stored.buckets),
+            format!(
+                "`tally rebucket` set the default to {buckets_now}: run with --buckets {buckets_now}"
+            ),
+        )
+    };
+    // (flag, given, expected, shown as stored, remedy)
     let checks = [
         (
             "group",
             proposed.group.clone(),
+            group.clone(),
             group.clone(),
             format!(
                 "the prefix holds the fences of group {group}; run with --group {group}, or give this group a --prefix of its own (a canary counts into its own prefix)"
@@ -315,20 +386,20 @@ pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mis
             "topic",
             proposed.topic.clone(),
             topic.clone(),
+            topic.clone(),
             format!("run with --topic {topic}, or count this topic into a --prefix of its own"),
         ),
         (
             "buckets",
             proposed.buckets.to_string(),
-            stored.buckets.to_string(),
-            format!(
-                "run with --buckets {} (a new count would move users between buckets; it is a rebuild into a new --prefix, not a changed flag)",
-                stored.buckets
-            ),
+            buckets_now.to_string(),
+            buckets_shown,
+            buckets_remedy,
         ),
         (
             "slot-groups",
             proposed.slot_groups.to_string(),
+            stored.slot_groups.to_string(),
             stored.slot_groups.to_string(),
             format!(
                 "run with --slot-groups {} (the fences cover fixed slot groups; another count is a rebuild into a new --prefix, then the switch)",
@@ -338,9 +409,9 @@ pub fn compare(base: &str, proposed: &Record, stored: &Record) -> Result<(), Mis
     ];
     match checks
         .into_iter()
-        .find(|(_, given, stored, _)| given != stored)
+        .find(|(_, given, expected, _, _)| given != expected)
     {
-        Some((flag, given, stored, remedy)) => Err(Mismatch {
+        Some((flag, given, _, stored, remedy)) => Err(Mismatch {
             flag,
             given,
             stored,
@@ -369,7 +440,7 @@ mod tests {
     #[test]
     fn every_layout_setting_is_compared() {
         let stored = record();
-        assert_eq!(compare("t", &record(), &stored), Ok(()));
+        assert_eq!(compare("t", &record(), &stored, 16), Ok(()));
         let cases = [
             (
                 "buckets",
@@ -401,7 +472,7 @@ mod tests {
             ),
         ];
         for (flag, proposed) in cases {
-            let err = compare("t", &proposed, &stored).unwrap_err();
+            let err = compare("t", &proposed, &stored, 16).unwrap_err();
             assert_eq!(err.flag, flag);
             let line = err.to_string();
             assert!(line.contains("t:layout") && !line.contains('\n'), "{line}");
@@ -414,10 +485,23 @@ mod tests {
                     created_at_ms: 9,
                     ..record()
                 },
-                &stored
+                &stored,
+                16
             )
             .is_ok()
         );
+        // After `tally rebucket`, writers name the newest count.
+        let rebucketed = compare("t", &record(), &stored, 1).unwrap_err();
+        assert_eq!(
+            (rebucketed.flag, rebucketed.stored.as_str()),
+            ("buckets", "16, rebucketed to 1")
+        );
+        assert!(rebucketed.remedy.contains("--buckets 1"), "{rebucketed}");
+        let one = Record {
+            buckets: 1,
+            ..record()
+        };
+        assert_eq!(compare("t", &one, &stored, 1), Ok(()));
     }
 
     #[test]

@@ -9,6 +9,8 @@
 -- ARGV[5]  the post's version-0 bucket count, used when it has no entry yet
 -- ARGV[6]  "1" to publish only if the post's latest bucket count is below ARGV[3]
 --          (automatic promotion: another consumer may have promoted it already)
+-- ARGV[7]  the default layout's newest bucket count as the caller read it: the
+--          post's latest count while it has no version of its own
 --
 -- An entry is "version:buckets:effective_ms" items joined by ";", oldest first;
 -- it only ever grows, and effective times strictly increase.
@@ -22,6 +24,9 @@ local last_version, last_buckets, last_effective = string.match(entry, '(%d+):(%
 last_version = tonumber(last_version)
 last_buckets = tonumber(last_buckets)
 last_effective = tonumber(last_effective)
+if last_version == 0 then
+  last_buckets = tonumber(ARGV[7])
+end
 
 local version = tonumber(ARGV[2])
 local buckets = tonumber(ARGV[3])

@@ -45,10 +45,36 @@ pub const PUBLISHED_USERS: [u64; 10] = [
     u64::MAX,
 ];
 
+/// Version numbers from here up name the later epochs of the default layout:
+/// `DEFAULT_EPOCHS + e` is epoch `e` (e >= 1), published by `tally rebucket`
+/// for every post at once. Epoch 0 is version 0. A post's own versions are
+/// numbered from 1 by its route hash and stay far below.
+pub const DEFAULT_EPOCHS: u32 = 1 << 31;
+
+/// The version number of epoch `epoch` of the default layout.
+pub fn epoch_version(epoch: u32) -> u32 {
+    if epoch == 0 {
+        0
+    } else {
+        DEFAULT_EPOCHS + epoch
+    }
+}
+
+/// How people name a version number: `version 3`, or `default epoch 1`.
+pub fn version_name(version: u32) -> String {
+    if version > DEFAULT_EPOCHS {
+        format!("default epoch {}", version - DEFAULT_EPOCHS)
+    } else {
+        format!("version {version}")
+    }
+}
+
 /// One counter: a bucket of one routing version of a post.
 ///
 /// Version 0 is the default layout every post starts with; versions 1 and up
-/// are created by promotion and demotion (see [`crate::domain::versions`]).
+/// are created by promotion and demotion (see [`crate::domain::versions`]),
+/// and versions from [`DEFAULT_EPOCHS`] up by a change of the default bucket
+/// count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CounterId {
     /// The post.
@@ -72,8 +98,10 @@ impl CounterId {
 
 /// Names every Redis key tally writes, under one prefix.
 ///
-/// Counter keys are `<prefix>:likes:<post_id>:<bucket>` for version 0 and
-/// `<prefix>:likes:<post_id>:v<version>:b<bucket>` for later versions,
+/// Counter keys are `<prefix>:likes:<post_id>:<bucket>` for version 0,
+/// `<prefix>:likes:<post_id>:v<version>:b<bucket>` for a post's own versions
+/// and `<prefix>:likes:<post_id>:d<epoch>:b<bucket>` for a later epoch of the
+/// default layout,
 /// followed on a cluster by `:{<tag>}`, the computed hash tag of the key's
 /// slot group (see [`crate::domain::slots`]). The sum of all keys matching
 /// `<prefix>:likes:<post_id>:*` (plus the optional base of the post's routing
@@ -130,6 +158,13 @@ impl KeyLayout {
         // Writing to a String cannot fail.
         if id.version == 0 {
             let _ = write!(out, "{}:likes:{}:{}", self.prefix, id.post_id, id.bucket);
+        } else if id.version > DEFAULT_EPOCHS {
+            let epoch = id.version - DEFAULT_EPOCHS;
+            let _ = write!(
+                out,
+                "{}:likes:{}:d{}:b{}",
+                self.prefix, id.post_id, epoch, id.bucket
+            );
         } else {
             let _ = write!(
                 out,
@@ -204,12 +239,16 @@ impl KeyLayout {
         let mut parts = rest.split(':');
         let post_id = parts.next()?.parse().ok()?;
         let first = parts.next()?;
-        let (version, bucket) = match first.strip_prefix('v') {
-            Some(version) => {
-                let version = version.parse().ok().filter(|&v| v > 0)?;
-                let bucket = parts.next()?.strip_prefix('b')?.parse().ok()?;
-                (version, bucket)
-            }
+        let numbered = |digits: &str| digits.parse::<u32>().ok().filter(|&n| n > 0);
+        let version = if let Some(own) = first.strip_prefix('v') {
+            Some(numbered(own).filter(|&v| v <= DEFAULT_EPOCHS)?)
+        } else if let Some(epoch) = first.strip_prefix('d') {
+            Some(numbered(epoch).filter(|&e| e < u32::MAX - DEFAULT_EPOCHS)? + DEFAULT_EPOCHS)
+        } else {
+            None
+        };
+        let (version, bucket) = match version {
+            Some(version) => (version, parts.next()?.strip_prefix('b')?.parse().ok()?),
             None => (0, first.parse().ok()?),
         };
         let tag_ok = match (parts.next(), parts.next()) {
@@ -284,6 +323,14 @@ mod tests {
         assert!(tagged.starts_with("tally:likes:101:v3:b17:{"), "{tagged}");
         assert_eq!(cluster.parse_counter_key(&tagged), Some(hot));
         assert_eq!(keys.parse_counter_key("tally:likes:101:v0:b1"), None);
+        let epoch = CounterId {
+            post_id: 101,
+            version: epoch_version(2),
+            bucket: 0,
+        };
+        assert_eq!(keys.key_of(epoch), "tally:likes:101:d2:b0");
+        assert_eq!(keys.parse_counter_key("tally:likes:101:d2:b0"), Some(epoch));
+        assert_eq!(keys.parse_counter_key("tally:likes:101:d0:b0"), None);
         assert_eq!(keys.parse_counter_key("tally:route:101"), None);
         assert_eq!(keys.parse_counter_key("tally:fence:g:likes:7"), None);
         assert_eq!(keys.parse_counter_key("other:likes:1:2"), None);
@@ -298,7 +345,12 @@ mod tests {
         }
 
         #[test]
-        fn counter_keys_round_trip(post_id: u64, version in 0u32..1000, bucket: u32, cluster: bool) {
+        fn counter_keys_round_trip(
+            post_id: u64,
+            version in prop_oneof![0u32..1000, DEFAULT_EPOCHS + 1..DEFAULT_EPOCHS + 1000],
+            bucket: u32,
+            cluster: bool,
+        ) {
             let keys = if cluster {
                 KeyLayout::with_groups("p:x", SlotGroups::cluster(64))
             } else {

@@ -48,6 +48,38 @@
 //! topic), and it is routed to the old version by invariant 1; nothing short
 //! of every partition's fence passing the demotion time proves an old
 //! version closed, and a cluster has no transaction spanning its slots.
+//!
+//! # Changing the default bucket count
+//!
+//! `tally rebucket` changes the bucket count of every post that has no
+//! version of its own, without re-routing a single key. The default layout
+//! has epochs, kept in the registry's field `default` in the entry format
+//! above (`0:16:0;1:1:T1;...`, epoch numbers in place of versions). Epoch 0
+//! is version 0, with the layout record's bucket count; epoch `e >= 1` has
+//! keys of its own (`d<e>`, version number [`DEFAULT_EPOCHS`]` + e`). An
+//! epoch is published as one registry write, with `effective_ms = registry
+//! clock + GRACE_MS`, the same way as a post's version.
+//!
+//! The route of an event of a post stamped `t`: the post's own newest version
+//! effective at or before `t`, if it has one; otherwise the newest epoch
+//! effective at or before `t`. A hot post keeps its own buckets through a
+//! change of the default. Both lists only grow and every item is effective
+//! only after its publication plus the grace, so invariant 1 holds for the
+//! pair as it holds for one list: an addition changes the route of events
+//! stamped after its effective time only, which no writer routes before
+//! reading it. Replays and rebuilds route every event as the first pass
+//! did, and since an epoch's bucket `b` lies in the same slot group as
+//! version 0's bucket `b`, the fences that cover an event do not depend on
+//! its epoch.
+//!
+//! Invariant 2 needs no reservation step here: readers read the `default`
+//! field itself, in the first round trip of every read, so a read that began
+//! before a publication ends (within [`READ_DEADLINE`]) before the first
+//! write to the new epoch can land, `GRACE_MS - AHEAD_MS` after it. Readers
+//! sum every epoch for every post; old epochs are never folded, for the
+//! reason demotions are not. Slot groups cannot change this way: a fence
+//! covers a fixed set of slot groups, so another count is a rebuild into a
+//! new prefix.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -58,7 +90,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::domain::routing::{CounterId, KeyLayout, bucket_of};
+use crate::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, bucket_of, epoch_version};
 use crate::infra::store::{Lua, Shared};
 
 /// A new version routes events stamped this long after its publication.
@@ -71,6 +103,10 @@ pub const READ_DEADLINE: Duration = Duration::from_secs(2);
 static FETCH: Lua = Lua::new(include_str!("route_fetch.lua"));
 static RESERVE: Lua = Lua::new(include_str!("route_reserve.lua"));
 static PUBLISH: Lua = Lua::new(include_str!("route_publish.lua"));
+static REBUCKET: Lua = Lua::new(include_str!("route_default.lua"));
+
+/// The registry field that holds the default layout's epochs.
+pub const DEFAULT_FIELD: &str = "default";
 
 /// One routing version of a post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +142,93 @@ pub fn parse_entry(entry: &str) -> Option<Vec<Version>> {
     (ordered && !versions.is_empty()).then_some(versions)
 }
 
+/// The epochs of the default layout, oldest first: what a post without
+/// versions of its own is routed by. Epoch `e` carries version number
+/// [`epoch_version`]`(e)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Defaults(Box<[Version]>);
+
+impl Defaults {
+    /// Epoch 0 alone: `buckets` for every event.
+    pub fn fixed(buckets: u32) -> Self {
+        Self(Box::new([Version {
+            version: 0,
+            buckets,
+            effective_ms: 0,
+        }]))
+    }
+
+    /// The registry's `default` field (`None`: never changed), given epoch
+    /// 0's bucket count from the layout record. `None` for an entry that
+    /// does not start at epoch 0 with that count.
+    pub fn parse(entry: Option<&str>, epoch0: u32) -> Option<Self> {
+        let Some(entry) = entry else {
+            return Some(Self::fixed(epoch0));
+        };
+        let epochs = parse_entry(entry)?;
+        let first = epochs[0];
+        if first.version != 0
+            || first.buckets != epoch0
+            || epochs.iter().any(|e| e.version >= DEFAULT_EPOCHS)
+        {
+            return None;
+        }
+        Some(Self(
+            epochs
+                .into_iter()
+                .map(|e| Version {
+                    version: epoch_version(e.version),
+                    ..e
+                })
+                .collect(),
+        ))
+    }
+
+    /// The epoch an event stamped `timestamp_ms` goes to.
+    pub fn at(&self, timestamp_ms: i64) -> Version {
+        *self
+            .0
+            .iter()
+            .rev()
+            .find(|e| e.effective_ms <= timestamp_ms)
+            .unwrap_or(&self.0[0])
+    }
+
+    /// The newest epoch.
+    pub fn latest(&self) -> Version {
+        self.0[self.0.len() - 1]
+    }
+
+    /// Every epoch, oldest first.
+    pub fn epochs(&self) -> &[Version] {
+        &self.0
+    }
+
+    /// Epoch 0's bucket count (the layout record's).
+    pub fn epoch0(&self) -> u32 {
+        self.0[0].buckets
+    }
+}
+
+/// The default layout from the `default` field of `registry` (`entry`). An
+/// entry that cannot be read is an error for writers and readers alike:
+/// routing or summing by a guess could miss keys.
+pub fn read_defaults(
+    registry: &str,
+    entry: Option<&str>,
+    epoch0: u32,
+) -> Result<Defaults, RedisError> {
+    Defaults::parse(entry, epoch0).ok_or_else(|| {
+        RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "unreadable default layout",
+            format!(
+                "field {DEFAULT_FIELD} of {registry} is {entry:?}; it must start with epoch 0 at the layout record's {epoch0} buckets"
+            ),
+        ))
+    })
+}
+
 /// What a writer must do before routing an event with a given timestamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Readiness {
@@ -120,7 +243,7 @@ pub enum Readiness {
 /// A writer's view of the registry: the routed posts, and when it was read.
 #[derive(Debug, Clone)]
 pub struct RouteTable {
-    default_buckets: u32,
+    defaults: Defaults,
     posts: FxHashMap<u64, Box<[Version]>>,
     /// Registry clock at the read (milliseconds since the epoch).
     fetched_ms: i64,
@@ -130,12 +253,12 @@ pub struct RouteTable {
 impl RouteTable {
     /// A table read at registry time `fetched_ms`.
     pub fn new(
-        default_buckets: u32,
+        defaults: Defaults,
         fetched_ms: i64,
         posts: impl IntoIterator<Item = (u64, Vec<Version>)>,
     ) -> Self {
         Self {
-            default_buckets,
+            defaults,
             posts: posts
                 .into_iter()
                 .map(|(post, versions)| (post, versions.into_boxed_slice()))
@@ -145,20 +268,24 @@ impl RouteTable {
         }
     }
 
-    /// The version an event of `post_id` stamped `timestamp_ms` goes to.
+    /// The version an event of `post_id` stamped `timestamp_ms` goes to: the
+    /// post's own newest version by then, or else the default layout's epoch.
     pub fn route(&self, post_id: u64, timestamp_ms: i64) -> Version {
-        match self.posts.get(&post_id) {
-            Some(versions) => *versions
-                .iter()
-                .rev()
-                .find(|v| v.effective_ms <= timestamp_ms)
-                .unwrap_or(&versions[0]),
-            None => Version {
-                version: 0,
-                buckets: self.default_buckets,
-                effective_ms: 0,
-            },
-        }
+        self.posts
+            .get(&post_id)
+            .and_then(|versions| {
+                versions
+                    .iter()
+                    .rev()
+                    .find(|v| v.version > 0 && v.effective_ms <= timestamp_ms)
+            })
+            .copied()
+            .unwrap_or_else(|| self.defaults.at(timestamp_ms))
+    }
+
+    /// The default layout's epochs.
+    pub fn defaults(&self) -> &Defaults {
+        &self.defaults
     }
 
     /// The counter a like of `post_id` by `user_id`, stamped `timestamp_ms`, lands in.
@@ -171,7 +298,8 @@ impl RouteTable {
         }
     }
 
-    /// The newest version of a post (version 0 when it has no metadata).
+    /// The newest version of a post (the newest default epoch when it has
+    /// no version of its own).
     pub fn latest(&self, post_id: u64) -> Version {
         self.route(post_id, i64::MAX)
     }
@@ -217,9 +345,10 @@ pub struct PostMeta {
 }
 
 impl PostMeta {
-    /// Reads a route hash's fields (`HGETALL`); `default_buckets` stands for
-    /// version 0 when the hash has no `v0` (a post never routed).
-    pub fn from_fields(fields: &[(String, String)], default_buckets: u32) -> Self {
+    /// Reads a route hash's fields (`HGETALL`) and adds the default layout's
+    /// later epochs; epoch 0 stands for version 0 when the hash has no `v0`
+    /// (a post never routed).
+    pub fn from_fields(fields: &[(String, String)], defaults: &Defaults) -> Self {
         let mut meta = PostMeta::default();
         for (field, value) in fields {
             match field.as_str() {
@@ -236,9 +365,15 @@ impl PostMeta {
                 }
             }
         }
+        meta.versions.retain(|&(v, _)| v <= DEFAULT_EPOCHS);
         if !meta.versions.iter().any(|&(v, _)| v == 0) {
-            meta.versions.push((0, default_buckets));
+            meta.versions.push((0, defaults.epoch0()));
         }
+        meta.versions.extend(
+            defaults.epochs()[1..]
+                .iter()
+                .map(|e| (e.version, e.buckets)),
+        );
         meta.versions.sort_unstable();
         meta
     }
@@ -288,21 +423,41 @@ pub struct Published {
     pub versions: Vec<Version>,
 }
 
+/// The result of [`Routes::rebucket`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rebucketed {
+    /// Whether a new epoch was added (not when the newest already has the count).
+    pub added: bool,
+    /// The default layout after the call.
+    pub defaults: Defaults,
+    /// The registry clock when it was read (milliseconds since the epoch).
+    pub now_ms: i64,
+}
+
 /// Routing metadata in Redis: reading the registry and publishing versions.
 #[derive(Clone)]
 pub struct Routes {
     store: Shared,
     keys: KeyLayout,
-    default_buckets: u32,
+    epoch0: u32,
 }
 
 impl Routes {
-    /// Routing metadata under `keys`' prefix, on `store`.
-    pub fn new(store: Shared, keys: KeyLayout, default_buckets: u32) -> Self {
+    /// Routing metadata under `keys`' prefix, on `store`; `epoch0` is version
+    /// 0's bucket count, from the layout record.
+    pub fn new(store: Shared, keys: KeyLayout, epoch0: u32) -> Self {
         Self {
             store,
             keys,
-            default_buckets,
+            epoch0,
+        }
+    }
+
+    /// The same metadata under another generation's keys.
+    pub fn with_keys(&self, keys: KeyLayout) -> Self {
+        Self {
+            keys,
+            ..self.clone()
         }
     }
 
@@ -316,45 +471,51 @@ impl Routes {
             .map(redis::from_redis_value::<String>)
             .collect::<Result<_, _>>()?;
         let mut posts = Vec::with_capacity(rest.len() / 2);
+        let mut defaults = None;
         for pair in rest.chunks_exact(2) {
+            if pair[0] == DEFAULT_FIELD {
+                defaults = Some(self.defaults_of(Some(&pair[1]))?);
+                continue;
+            }
             match (pair[0].parse::<u64>(), parse_entry(&pair[1])) {
                 (Ok(post), Some(versions)) => posts.push((post, versions)),
                 _ => warn!(field = %pair[0], "Unreadable routing registry entry ignored."),
             }
         }
-        Ok(RouteTable::new(self.default_buckets, now, posts))
+        let defaults = defaults.unwrap_or_else(|| Defaults::fixed(self.epoch0));
+        Ok(RouteTable::new(defaults, now, posts))
     }
 
-    /// Reads one post's route hash (what readers sum).
-    pub async fn meta(&self, post_id: u64) -> Result<PostMeta, RedisError> {
-        let key = self.keys.route_key(post_id);
-        let fields: Vec<(String, String)> = self
-            .store
-            .call(|mut s| async move { redis::cmd("HGETALL").arg(&key).query_async(&mut s).await })
-            .await?;
-        Ok(PostMeta::from_fields(&fields, self.default_buckets))
+    fn defaults_of(&self, entry: Option<&str>) -> Result<Defaults, RedisError> {
+        read_defaults(&self.keys.registry_key(), entry, self.epoch0)
     }
 
     /// Publishes a version of `post_id` with `buckets` buckets, in the order
     /// the module doc proves safe. `latest` is the newest version the caller
-    /// knows of; with [`Trigger::Auto`] nothing is added unless the post's
-    /// newest bucket count is below `buckets`.
+    /// knows of ([`RouteTable::latest`]); with [`Trigger::Auto`] nothing is
+    /// added unless the post's newest bucket count is below `buckets`.
     pub async fn publish(
         &self,
         post_id: u64,
         buckets: u32,
-        latest: u32,
+        latest: Version,
         trigger: Trigger,
     ) -> Result<Published, RedisError> {
         let route = self.keys.route_key(post_id);
+        // A default epoch is not one of the post's own version numbers.
+        let own_latest = if latest.version > DEFAULT_EPOCHS {
+            0
+        } else {
+            latest.version
+        };
         let (version, v0): (u32, u32) = RESERVE
             .call(
                 &self.store,
                 &[&route],
                 &[
                     &buckets.to_string(),
-                    &self.default_buckets.to_string(),
-                    &latest.to_string(),
+                    &self.epoch0.to_string(),
+                    &own_latest.to_string(),
                 ],
             )
             .await?;
@@ -370,6 +531,7 @@ impl Routes {
                     &GRACE_MS.to_string(),
                     &v0.to_string(),
                     only_if_below,
+                    &latest.buckets.to_string(),
                 ],
             )
             .await?;
@@ -407,6 +569,39 @@ impl Routes {
             );
         }
         Ok(Published { added, versions })
+    }
+
+    /// Publishes a new epoch of the default layout with `buckets` buckets,
+    /// effective [`GRACE_MS`] from now by the registry's clock.
+    pub async fn rebucket(&self, buckets: u32) -> Result<Rebucketed, RedisError> {
+        let (added, now_ms, entry): (i64, i64, String) = REBUCKET
+            .call(
+                &self.store,
+                &[&self.keys.registry_key()],
+                &[
+                    DEFAULT_FIELD,
+                    &self.epoch0.to_string(),
+                    &buckets.to_string(),
+                    &GRACE_MS.to_string(),
+                ],
+            )
+            .await?;
+        let defaults = self.defaults_of(Some(&entry))?;
+        let added = added == 1;
+        if added {
+            let newest = defaults.latest();
+            info!(
+                buckets,
+                epoch = newest.version - DEFAULT_EPOCHS,
+                effective_ms = newest.effective_ms,
+                "Default bucket count changed."
+            );
+        }
+        Ok(Rebucketed {
+            added,
+            defaults,
+            now_ms,
+        })
     }
 }
 
@@ -525,7 +720,11 @@ mod tests {
 
     #[test]
     fn events_route_by_timestamp() {
-        let table = RouteTable::new(16, 10_000, [(7, vec![v(0, 16, 0), v(1, 64, 5_000)])]);
+        let table = RouteTable::new(
+            Defaults::fixed(16),
+            10_000,
+            [(7, vec![v(0, 16, 0), v(1, 64, 5_000)])],
+        );
         assert_eq!(table.route(7, 4_999).version, 0);
         assert_eq!(table.route(7, 5_000).version, 1);
         assert_eq!(table.route(7, -1).version, 0);
@@ -537,7 +736,7 @@ mod tests {
 
     #[test]
     fn old_reads_refresh_and_future_events_wait() {
-        let table = RouteTable::new(16, 100_000, []);
+        let table = RouteTable::new(Defaults::fixed(16), 100_000, []);
         assert_eq!(table.readiness(100_000), Readiness::Ready);
         assert_eq!(table.readiness(100_000 + GRACE_MS), Readiness::Refresh);
         match table.readiness(100_000 + AHEAD_MS + 1_000) {
@@ -560,12 +759,57 @@ mod tests {
         .iter()
         .map(|&(a, b)| (a.to_string(), b.to_string()))
         .collect();
-        let meta = PostMeta::from_fields(&fields, 4);
+        let meta = PostMeta::from_fields(&fields, &Defaults::fixed(4));
         assert_eq!(meta.versions, vec![(0, 16), (1, 8), (2, 64)]);
         assert_eq!((meta.base, meta.current), (-3, Some(2)));
         assert_eq!(meta.keys(&KeyLayout::new("t"), 5).len(), 88);
-        let cold = PostMeta::from_fields(&[], 4);
+        let cold = PostMeta::from_fields(&[], &Defaults::fixed(4));
         assert_eq!(cold.versions, vec![(0, 4)]);
+        // Every epoch of the default layout is summed, for every post.
+        let defaults = Defaults::parse(Some("0:4:0;1:1:100;2:8:200"), 4).unwrap();
+        let rebucketed = PostMeta::from_fields(&fields, &defaults);
+        assert_eq!(
+            rebucketed.versions,
+            vec![
+                (0, 16),
+                (1, 8),
+                (2, 64),
+                (epoch_version(1), 1),
+                (epoch_version(2), 8)
+            ]
+        );
+        let keys = PostMeta::from_fields(&[], &defaults).keys(&KeyLayout::new("t"), 5);
+        assert_eq!(keys.len(), 13);
+        assert!(keys.contains(&"t:likes:5:d1:b0".to_string()), "{keys:?}");
+    }
+
+    #[test]
+    fn default_epochs_route_posts_without_versions_of_their_own() {
+        let defaults = Defaults::parse(Some("0:16:0;1:1:5000;2:16:9000"), 16).unwrap();
+        let hot = vec![v(0, 16, 0), v(1, 64, 7_000)];
+        let table = RouteTable::new(defaults, 10_000, [(7, hot)]);
+        assert_eq!(table.route(8, 4_999), v(0, 16, 0));
+        assert_eq!(table.route(8, 5_000), v(epoch_version(1), 1, 5_000));
+        assert_eq!(table.route(8, 9_000), v(epoch_version(2), 16, 9_000));
+        // A promoted post follows the default until its own version, then
+        // keeps its own buckets through later changes of the default.
+        assert_eq!(table.route(7, 6_000).version, epoch_version(1));
+        assert_eq!(table.route(7, 7_000).version, 1);
+        assert_eq!(table.route(7, 9_500).version, 1);
+        assert_eq!(table.latest(8).buckets, 16);
+        let id = table.counter(8, 42, 6_000);
+        assert_eq!((id.version, id.bucket), (epoch_version(1), 0));
+    }
+
+    #[test]
+    fn default_entries_must_start_at_the_records_count() {
+        assert_eq!(Defaults::parse(None, 16), Some(Defaults::fixed(16)));
+        assert_eq!(Defaults::parse(Some("0:8:0;1:1:5"), 16), None);
+        assert_eq!(Defaults::parse(Some("1:8:0"), 8), None);
+        assert_eq!(Defaults::parse(Some("garbage"), 8), None);
+        let parsed = Defaults::parse(Some("0:8:0;1:1:5"), 8).unwrap();
+        assert_eq!(parsed.latest(), v(epoch_version(1), 1, 5));
+        assert_eq!(parsed.epoch0(), 8);
     }
 
     proptest! {
@@ -575,6 +819,7 @@ mod tests {
         #[test]
         fn stale_and_fresh_reads_agree_where_both_may_route(
             publish_at in proptest::collection::vec(0i64..60_000, 0..6),
+            rebucket_at in proptest::collection::vec(0i64..60_000, 0..4),
             stale_read in 0i64..60_000,
             fresh_delay in 0i64..30_000,
             stamps in proptest::collection::vec(0i64..120_000, 1..50),
@@ -587,18 +832,32 @@ mod tests {
                 let effective = (at + GRACE_MS).max(history.last().unwrap().effective_ms + 1);
                 history.push(Version { version: i as u32 + 1, buckets: 2 + i as u32, effective_ms: effective });
             }
+            // And epochs of the default layout, published the same way.
+            let mut rebucket_at = rebucket_at;
+            rebucket_at.sort_unstable();
+            let mut epochs = vec![v(0, 16, 0)];
+            for (e, &at) in rebucket_at.iter().enumerate() {
+                let effective = (at + GRACE_MS).max(epochs.last().unwrap().effective_ms + 1);
+                epochs.push(v(e as u32 + 1, [1, 16, 4, 32][e % 4], effective));
+            }
             let read_at = |clock: i64| {
                 let known: Vec<Version> = history.iter().enumerate()
                     .filter(|&(i, _)| i == 0 || publish_at[i - 1] <= clock)
                     .map(|(_, v)| *v)
                     .collect();
-                RouteTable::new(16, clock, [(1, known)])
+                let entry: Vec<String> = epochs.iter().enumerate()
+                    .filter(|&(e, _)| e == 0 || rebucket_at[e - 1] <= clock)
+                    .map(|(_, e)| format!("{}:{}:{}", e.version, e.buckets, e.effective_ms))
+                    .collect();
+                let defaults = Defaults::parse(Some(&entry.join(";")), 16).unwrap();
+                RouteTable::new(defaults, clock, [(1, known)])
             };
             let stale = read_at(stale_read);
             let fresh = read_at(stale_read + fresh_delay);
             for ts in stamps {
                 if stale.readiness(ts) != Readiness::Refresh && fresh.readiness(ts) != Readiness::Refresh {
                     prop_assert_eq!(stale.route(1, ts), fresh.route(1, ts));
+                    prop_assert_eq!(stale.route(2, ts), fresh.route(2, ts));
                 }
             }
         }

@@ -581,7 +581,8 @@ pub struct RunSettings {
     pub kafka: KafkaSettings,
     /// Where the counts go.
     pub store: StoreSettings,
-    /// Buckets per post of routing version 0.
+    /// Buckets per post: version 0's on a new prefix, the newest default epoch's on one
+    /// that exists (see [`crate::domain::versions`]).
     pub buckets: u32,
     /// Hot-post detection.
     pub hot: HotSettings,

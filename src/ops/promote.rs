@@ -1,14 +1,18 @@
-//! Promote: `tally promote` and `tally demote`, routing changes by hand.
+//! Promote: `tally promote`, `tally demote` and `tally rebucket`, routing
+//! changes by hand.
 //!
-//! Both publish a new routing version through
+//! The first two publish a new routing version of one post through
 //! [`crate::domain::versions::Routes::publish`], the same path hot-post detection
-//! takes, so they are safe while `tally run` counts: writers switch to the
-//! new version for events stamped [`crate::domain::versions::GRACE_MS`] after it, and
-//! readers sum it from the moment it is reserved.
+//! takes; the third a new epoch of the default layout through
+//! [`crate::domain::versions::Routes::rebucket`]. All are safe while `tally run`
+//! counts: writers switch for events stamped
+//! [`crate::domain::versions::GRACE_MS`] after the change, and readers sum the
+//! new keys from the moment it is made.
 
 use crate::domain::generation;
 use crate::domain::layout;
-use crate::domain::versions::{Published, Routes, Trigger};
+use crate::domain::routing::version_name;
+use crate::domain::versions::{Published, Rebucketed, Routes, Trigger, Version};
 use crate::infra::config::StoreSettings;
 use crate::ops::OpError;
 
@@ -32,7 +36,7 @@ pub struct Change {
     /// More or fewer buckets.
     pub direction: Direction,
     /// Buckets of the new version; by default [`DEFAULT_PROMOTED_BUCKETS`]
-    /// for a promotion and version 0's count (the layout record's) for a
+    /// for a promotion and the default layout's current count for a
     /// demotion.
     pub to_buckets: Option<u32>,
 }
@@ -59,20 +63,19 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
         post_id, direction, ..
     } = change;
     let (opened, record) = layout::open_for_reading(settings).await?;
-    let default_buckets = record.buckets;
+    let keys = generation::current_layout(&opened.store, &opened.keys).await?;
+    let routes = Routes::new(opened.store, keys, record.buckets);
+    let table = routes.fetch().await?;
     let buckets = match (direction, change.to_buckets) {
         (_, Some(n)) => n,
         (Direction::Promote, None) => DEFAULT_PROMOTED_BUCKETS,
-        (Direction::Demote, None) => default_buckets,
+        (Direction::Demote, None) => table.defaults().latest().buckets,
     };
     if buckets == 0 || buckets > 1 << 16 {
         return Err(OpError::Refused(
             "--to-buckets must be between 1 and 65536".into(),
         ));
     }
-    let keys = generation::current_layout(&opened.store, &opened.keys).await?;
-    let routes = Routes::new(opened.store, keys, default_buckets);
-    let table = routes.fetch().await?;
     let latest = table.latest(post_id);
     let refused = match direction {
         Direction::Promote if buckets <= latest.buckets => Some("promote to more, or demote"),
@@ -81,12 +84,13 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
     };
     if let Some(hint) = refused {
         return Err(OpError::Refused(format!(
-            "post {post_id} already has {} buckets (version {}); {hint}",
-            latest.buckets, latest.version
+            "post {post_id} already has {} buckets ({}); {hint}",
+            latest.buckets,
+            version_name(latest.version)
         )));
     }
     let Published { added, versions } = routes
-        .publish(post_id, buckets, latest.version, Trigger::Manual)
+        .publish(post_id, buckets, latest, Trigger::Manual)
         .await?;
     if !added {
         return Err(OpError::Refused(format!(
@@ -100,5 +104,53 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
         buckets: newest.buckets,
         effective_ms: newest.effective_ms,
         effective_in_ms: (newest.effective_ms - table.now_ms()).max(0),
+    })
+}
+
+/// The default layout after `tally rebucket`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DefaultChange {
+    /// Whether a new epoch was published (not when the count was already in force).
+    pub added: bool,
+    /// The bucket count before.
+    pub from_buckets: u32,
+    /// The newest epoch now.
+    pub newest: Version,
+    /// How long until it routes events, from the registry's clock.
+    pub effective_in_ms: i64,
+    /// Every epoch, oldest first.
+    pub epochs: Vec<Version>,
+}
+
+/// Publishes a new default bucket count for every post without a version
+/// of its own, in the generation writers use now.
+pub async fn rebucket(settings: &StoreSettings, to_buckets: u32) -> Result<DefaultChange, OpError> {
+    if to_buckets == 0 || to_buckets > 1 << 20 {
+        return Err(OpError::Refused(
+            "--to-buckets must be between 1 and 1048576".into(),
+        ));
+    }
+    let (opened, record) = layout::open_for_reading(settings).await?;
+    if let Some(rebuild) = generation::read_record(&opened.store, settings.prefix()).await? {
+        return Err(OpError::Refused(format!(
+            "a rebuild into generation {} is under way and copied the routing registry when it began; change the default bucket count after its switch, or after `tally rebuild --abort`",
+            rebuild.generation
+        )));
+    }
+    let keys = generation::current_layout(&opened.store, &opened.keys).await?;
+    let routes = Routes::new(opened.store, keys, record.buckets);
+    let from_buckets = routes.fetch().await?.defaults().latest().buckets;
+    let Rebucketed {
+        added,
+        defaults,
+        now_ms,
+    } = routes.rebucket(to_buckets).await?;
+    let newest = defaults.latest();
+    Ok(DefaultChange {
+        added,
+        from_buckets,
+        newest,
+        effective_in_ms: (newest.effective_ms - now_ms).max(0),
+        epochs: defaults.epochs().to_vec(),
     })
 }

@@ -72,7 +72,7 @@ use tracing::{info, warn};
 use crate::domain::generation::{self, Record};
 use crate::domain::layout::OpenStore;
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::wall_ms;
+use crate::domain::versions::{DEFAULT_FIELD, wall_ms};
 use crate::infra::config::RunSettings;
 use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
@@ -178,35 +178,20 @@ async fn copy_routing(
                 .await
         })
         .await?;
-    for (post, entry) in &registry {
-        let Ok(post) = post.parse::<u64>() else {
+    for (field, entry) in &registry {
+        // The default layout's epochs need no route hash: readers read them
+        // from the registry itself.
+        if let Ok(post) = field.parse::<u64>() {
+            copy_route_hash(store, from.route_key(post), to.route_key(post)).await?;
+        } else if field != DEFAULT_FIELD {
             continue;
-        };
-        let (source, dest) = (from.route_key(post), to.route_key(post));
-        let fields: Vec<(String, String)> = store
-            .call(
-                |mut s| async move { redis::cmd("HGETALL").arg(&source).query_async(&mut s).await },
-            )
-            .await?;
-        let fields: Vec<(String, String)> =
-            fields.into_iter().filter(|(f, _)| f != "base").collect();
-        if !fields.is_empty() {
-            store
-                .call(|mut s| async move {
-                    redis::cmd("HSET")
-                        .arg(&dest)
-                        .arg(&fields)
-                        .query_async::<()>(&mut s)
-                        .await
-                })
-                .await?;
         }
         let registry = to.registry_key();
         store
             .call(|mut s| async move {
                 redis::cmd("HSET")
                     .arg(&registry)
-                    .arg(post)
+                    .arg(field)
                     .arg(entry)
                     .query_async::<()>(&mut s)
                     .await
@@ -214,6 +199,26 @@ async fn copy_routing(
             .await?;
     }
     Ok(registry.len())
+}
+
+/// Copies one post's route hash, without its `base`.
+async fn copy_route_hash(store: &Shared, source: String, dest: String) -> Result<(), RedisError> {
+    let fields: Vec<(String, String)> = store
+        .call(|mut s| async move { redis::cmd("HGETALL").arg(&source).query_async(&mut s).await })
+        .await?;
+    let fields: Vec<(String, String)> = fields.into_iter().filter(|(f, _)| f != "base").collect();
+    if !fields.is_empty() {
+        store
+            .call(|mut s| async move {
+                redis::cmd("HSET")
+                    .arg(&dest)
+                    .arg(&fields)
+                    .query_async::<()>(&mut s)
+                    .await
+            })
+            .await?;
+    }
+    Ok(())
 }
 
 /// The topic's partitions with their (low, high) watermarks.
@@ -277,7 +282,7 @@ pub async fn rebuild(
     shutdown: CancellationToken,
     progress: &mut dyn FnMut(Snapshot<'_>),
 ) -> Result<Rebuilt, OpError> {
-    let (opened, applier) = open_applier(&settings).await?;
+    let (opened, applier, _) = open_applier(&settings).await?;
     let store = &opened.store;
     let prefix = settings.store.prefix();
     let (current, k) = prepare(&opened, prefix).await?;
@@ -583,7 +588,7 @@ fn warn_about_retention(marks: &[(i64, i64)], origins: &[i64], from: Option<i64>
 
 /// `tally rebuild --abort`: drops the unfinished generation, if any.
 pub async fn abort(settings: &RunSettings) -> Result<Aborted, OpError> {
-    let (opened, _) = open_applier(settings).await?;
+    let (opened, _, _) = open_applier(settings).await?;
     let store = &opened.store;
     let prefix = settings.store.prefix().to_string();
     let Some(record) = generation::read_record(store, &prefix).await? else {

@@ -168,12 +168,12 @@ async fn fences(
 
 /// Recounts the topic up to the fences and compares every post's count.
 pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Report, OpError> {
-    let (opened, applier) = open_applier(&settings).await?;
+    let (opened, applier, epoch0) = open_applier(&settings).await?;
     let kafka = &settings.kafka;
     let reader = Reader::new(
         opened.store.clone(),
         opened.keys.clone(),
-        settings.buckets,
+        epoch0,
         Duration::ZERO,
     );
     let (current, layout) = reader.layout().await?;

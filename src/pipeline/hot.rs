@@ -211,7 +211,7 @@ impl Policy {
                 continue;
             }
             let published = routes
-                .publish(post, self.hot_buckets, latest.version, Trigger::Auto)
+                .publish(post, self.hot_buckets, latest, Trigger::Auto)
                 .await?;
             if published.added {
                 info!(

@@ -153,7 +153,7 @@ pub async fn run_with(
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
-    check_layout(&opened, &settings).await?;
+    let record = check_layout(&opened, &settings).await?;
     let unreadable = |source| ConnectError {
         url: opened.url.shown().to_string(),
         source,
@@ -178,7 +178,7 @@ pub async fn run_with(
     let routes = Routes::new(
         applier.store().clone(),
         applier.keys().clone(),
-        settings.buckets,
+        record.buckets,
     );
     let watch = RouteWatch::start(
         routes.clone(),
@@ -198,7 +198,7 @@ pub async fn run_with(
         partitions,
         group = %mode.kafka_group,
         fence_group = %kafka.group,
-        buckets = settings.buckets,
+        buckets = watch.current().defaults().latest().buckets,
         prefix = %applier.keys().prefix(),
         promote_above = settings.hot.promote_above,
         routed_posts = watch.current().routed_posts(),
@@ -218,8 +218,9 @@ pub async fn run_with(
 }
 
 /// Writes the prefix's layout record on the first start (adopting what an
-/// earlier version wrote without one) and refuses settings that differ from it.
-async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<(), RunError> {
+/// earlier version wrote without one), refuses settings that differ from it,
+/// and returns it.
+async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<Record, RunError> {
     let base = settings.store.prefix();
     let proposed = Record::of_writer(settings, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
@@ -261,8 +262,8 @@ async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<(), 
             );
         }
     }
-    layout::compare(base, &proposed, &record).map_err(LayoutError::from)?;
-    Ok(())
+    layout::check_writer(opened, &proposed, &record).await?;
+    Ok(record)
 }
 
 /// A live pipeline's view of the generation pointer; `None` for a pipeline

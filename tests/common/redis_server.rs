@@ -272,7 +272,7 @@ impl Drop for RedisServer {
     }
 }
 
-/// Sums every `<prefix>:likes:<post_id>:<bucket>` key per post.
+/// Sums every counter key (`<prefix>:likes:<post_id>:...`) per post.
 pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i64> {
     let pattern = format!("{prefix}:likes:*");
     let head = format!("{prefix}:likes:");
@@ -333,7 +333,9 @@ fn parse_counter_key(tail: &str) -> Option<u64> {
             post.parse().ok()
         }
         [post, version, bucket] => {
-            version.strip_prefix('v')?.parse::<u32>().ok()?;
+            // `v<k>`: a post's own version; `d<e>`: an epoch of the default layout.
+            let number = version.strip_prefix('v').or_else(|| version.strip_prefix('d'))?;
+            number.parse::<u32>().ok()?;
             bucket.strip_prefix('b')?.parse::<u32>().ok()?;
             post.parse().ok()
         }

@@ -42,6 +42,8 @@ pub enum Command {
     Promote(ops::RouteArgs),
     /// Give a post fewer buckets (a new routing version; old keys stay summed).
     Demote(ops::RouteArgs),
+    /// Change the default bucket count for new events of every post (safe while tally runs).
+    Rebucket(ops::RebucketArgs),
     /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
     Plan(Box<tools::plan::PlanArgs>),
     /// Recount the topic into a new key generation and switch to it when caught up.

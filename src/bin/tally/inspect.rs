@@ -15,9 +15,9 @@ use clap::{Args, Subcommand};
 use redis::ConnectionLike;
 use tally::domain::layout::{OpenStore, Record};
 use tally::domain::placement::{SlotMap, binomial};
-use tally::domain::routing::{CounterId, KeyLayout};
+use tally::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, version_name};
 use tally::domain::slots::key_slot;
-use tally::domain::versions::PostMeta;
+use tally::domain::versions::{DEFAULT_FIELD, PostMeta, read_defaults};
 use tally::infra::config::StoreSettings;
 use tally::infra::store::connect_blocking;
 
@@ -73,7 +73,12 @@ fn inspect_post(
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.route_key(args.post_id))
         .query(conn.as_mut())?;
-    let meta = PostMeta::from_fields(&fields, record.buckets);
+    let entry: Option<String> = redis::cmd("HGET")
+        .arg(keys.registry_key())
+        .arg(DEFAULT_FIELD)
+        .query(conn.as_mut())?;
+    let defaults = read_defaults(&keys.registry_key(), entry.as_deref(), record.buckets)?;
+    let meta = PostMeta::from_fields(&fields, &defaults);
     let mut out = String::new();
     writeln!(
         out,
@@ -81,7 +86,7 @@ fn inspect_post(
         args.post_id,
         meta.versions
             .iter()
-            .map(|(v, n)| format!("version {v}: {n} buckets"))
+            .map(|&(v, n)| format!("{}: {n} buckets", version_name(v)))
             .collect::<Vec<_>>()
             .join(", "),
         map.primary_count(),
@@ -126,6 +131,10 @@ fn key_table(
             let owner = owner.map_or("(unassigned)", |p| map.primaries()[p].as_str());
             let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn)?;
             total += value.unwrap_or(0);
+            let version = match version.checked_sub(DEFAULT_EPOCHS) {
+                Some(epoch) if epoch > 0 => format!("d{epoch}"),
+                _ => version.to_string(),
+            };
             writeln!(
                 out,
                 "{version:>7}  {bucket:>6}  {slot:>5}  {owner:<21}  {:>10}  {key}",

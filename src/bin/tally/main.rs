@@ -66,6 +66,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Serve(args) => serve::serve(args).await,
         Command::Promote(args) => ops::route(&args, tally::ops::promote::Direction::Promote).await,
         Command::Demote(args) => ops::route(&args, tally::ops::promote::Direction::Demote).await,
+        Command::Rebucket(args) => ops::rebucket(&args).await,
         Command::Plan(args) => {
             print!("{}", tools::plan::report(&args)?);
             Ok(())

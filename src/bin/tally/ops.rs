@@ -22,10 +22,22 @@ use crate::settings::{RunArgs, StoreArgs};
 pub struct RouteArgs {
     /// The post.
     pub post_id: u64,
-    /// Buckets of the new version (promote: default 64; demote: default version 0's, from
-    /// the prefix's layout record).
+    /// Buckets of the new version (promote: default 64; demote: default the prefix's
+    /// current default bucket count).
     #[arg(long, value_name = "N")]
     pub to_buckets: Option<u32>,
+    /// Where the counts are.
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// Settings of `tally rebucket`.
+#[derive(Clone, Args)]
+pub struct RebucketArgs {
+    /// The new default bucket count. Events stamped from 5 s after the change go to new
+    /// keys with this many buckets; earlier ones keep theirs, and reads sum both.
+    #[arg(long, value_name = "N")]
+    pub to_buckets: u32,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
@@ -210,6 +222,33 @@ pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
         routed.buckets,
         routed.effective_ms,
         routed.effective_in_ms as f64 / 1000.0
+    );
+    Ok(())
+}
+
+/// `tally rebucket`.
+pub async fn rebucket(args: &RebucketArgs) -> Result<()> {
+    let store = args.store.settings().map_err(Problems)?;
+    let change = tally::ops::promote::rebucket(&store, args.to_buckets).await?;
+    let newest = change.newest;
+    if !change.added {
+        println!(
+            "the default bucket count is already {}; nothing changed",
+            newest.buckets
+        );
+        return Ok(());
+    }
+    println!(
+        "default bucket count {} -> {}, for events stamped from {} ms (in {:.1} s); {} epochs are summed by every read",
+        change.from_buckets,
+        newest.buckets,
+        newest.effective_ms,
+        change.effective_in_ms as f64 / 1000.0,
+        change.epochs.len()
+    );
+    println!(
+        "running consumers switch by themselves; start new ones with --buckets {} (another value is refused)",
+        newest.buckets
     );
     Ok(())
 }

@@ -102,8 +102,9 @@ impl StoreArgs {
 #[serde(rename_all = "kebab-case", default)]
 #[command(next_help_heading = REDIS)]
 pub struct BucketsArg {
-    /// Buckets per post (N): bucket = xxh64(user_id) % N. Fixed for the prefix by its layout
-    /// record once the first `tally run` wrote it.
+    /// Buckets per post (N): bucket = xxh64(user_id) % N. The first `tally run` on a prefix
+    /// writes it into the layout record; later starts must repeat the prefix's current
+    /// count, which only `tally rebucket` changes.
     #[arg(long, env = "TALLY_BUCKETS", default_value_t = lib::DEFAULT_BUCKETS)]
     pub buckets: u32,
 }

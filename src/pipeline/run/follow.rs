@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use super::{Pipeline, RunError};
 use crate::domain::generation;
-use crate::domain::versions::{RouteWatch, Routes};
+use crate::domain::versions::RouteWatch;
 use crate::pipeline::apply::ApplyError;
 
 impl Pipeline {
@@ -110,7 +110,7 @@ impl Pipeline {
             .set_fences(self.applier.fence_reader().clone());
         self.route_stop.cancel();
         self.route_stop = shutdown.child_token();
-        self.routes = Routes::new(self.applier.store().clone(), keys, self.settings.buckets);
+        self.routes = self.routes.with_keys(keys);
         let every = self.settings.hot.route_refresh;
         self.watch = loop {
             match RouteWatch::start(self.routes.clone(), every, self.route_stop.clone()).await {

@@ -1,0 +1,35 @@
+-- route_default.lua: publish a new epoch of the default layout in the writers' registry.
+--
+-- KEYS[1]  the registry hash <prefix>:routes
+-- ARGV[1]  the registry field of the default layout ("default")
+-- ARGV[2]  epoch 0's bucket count (the layout record's), used when the field is absent
+-- ARGV[3]  the bucket count of the new epoch
+-- ARGV[4]  grace in milliseconds: the epoch routes events stamped this long
+--          after now (this server's clock) and later
+--
+-- The field is "epoch:buckets:effective_ms" items joined by ";", oldest first,
+-- in the format of a post's entry; it only ever grows, and effective times
+-- strictly increase. Nothing is added when the newest epoch already has
+-- ARGV[3] buckets.
+-- Returns {added (0 or 1), now_ms, entry}.
+
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if not entry then
+  entry = '0:' .. ARGV[2] .. ':0'
+end
+local last_epoch, last_buckets, last_effective = string.match(entry, '(%d+):(%d+):(%-?%d+)$')
+if not last_epoch then
+  return redis.error_reply('unreadable default layout in ' .. KEYS[1] .. ': ' .. entry)
+end
+if tonumber(last_buckets) == tonumber(ARGV[3]) then
+  return {0, now_ms, entry}
+end
+local effective = now_ms + tonumber(ARGV[4])
+if effective <= tonumber(last_effective) then
+  effective = tonumber(last_effective) + 1
+end
+entry = entry .. ';' .. (tonumber(last_epoch) + 1) .. ':' .. ARGV[3] .. ':' .. effective
+redis.call('HSET', KEYS[1], ARGV[1], entry)
+return {1, now_ms, entry}
