@@ -200,6 +200,83 @@ fn dashboards_and_alerts_name_only_exported_metrics() {
     );
 }
 
+/// Each dashboard panel's title and the `tally_*` names its queries show.
+fn dashboard_panels() -> Vec<(String, Vec<String>)> {
+    let dashboard = json(&repo().join("deploy/grafana/dashboards/tally.json"));
+    let panels = dashboard["panels"].as_array().expect("panels");
+    panels
+        .iter()
+        .map(|panel| {
+            let mut exprs = Vec::new();
+            json_exprs(panel, &mut exprs);
+            let title = panel["title"].as_str().unwrap_or_default().to_string();
+            (title, exprs.iter().flat_map(|e| metric_names(e)).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn the_dashboard_filters_by_variables_and_adapts_its_windows() {
+    let dashboard = json(&repo().join("deploy/grafana/dashboards/tally.json"));
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .expect("templating")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    for needed in ["datasource", "namespace", "job", "instance"] {
+        assert!(
+            variables.contains(&needed),
+            "the dashboard lacks the ${needed} variable"
+        );
+    }
+    for expr in dashboard_exprs() {
+        let windows = expr.matches('[').count();
+        assert_eq!(
+            windows,
+            expr.matches("[$__rate_interval]").count(),
+            "{expr:?}: use [$__rate_interval], not a fixed window"
+        );
+        let selectors = metric_names(&expr).len();
+        for filter in [
+            "namespace=~\"$namespace\"",
+            "job=~\"$job\"",
+            "instance=~\"$instance\"",
+        ] {
+            assert_eq!(
+                expr.matches(filter).count(),
+                selectors,
+                "{expr:?}: every metric is filtered by {filter}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_dashboard_shows_dead_letters_progress_and_rebalances_apart() {
+    let panels = dashboard_panels();
+    let showing = |metric: &str| {
+        panels
+            .iter()
+            .filter(|(_, names)| names.iter().any(|n| n == metric))
+            .collect::<Vec<_>>()
+    };
+    for metric in [
+        "tally_dead_letters_total",
+        "tally_applied_offset",
+        "tally_rebalances_total",
+        "tally_redis_retries_total",
+    ] {
+        assert!(!showing(metric).is_empty(), "no panel shows {metric}");
+    }
+    for (title, names) in showing("tally_rebalances_total") {
+        assert!(
+            names.iter().all(|n| n == "tally_rebalances_total"),
+            "panel {title:?} mixes rebalances with {names:?}: they get a panel of their own"
+        );
+    }
+}
+
 #[test]
 fn the_prometheus_rule_carries_the_rule_files() {
     let rule = &yaml(&repo().join("deploy/k8s/prometheusrule.yaml"))[0];
@@ -358,10 +435,22 @@ fn promtool_checks_and_tests_the_rules() {
     }
     let tests = promtool_tests();
     assert!(!tests.is_empty(), "no deploy/prometheus/tests/*.yml");
-    for (what, files) in [
-        ("check", RULE_FILES.iter().map(PathBuf::from).collect()),
-        ("test", tests),
-    ] {
+    // The dashboard's queries, as recording rules, so that promtool parses them too.
+    let dir = tempfile::tempdir().unwrap();
+    let queries = dir.path().join("dashboard-queries.yml");
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, expr) in dashboard_exprs().iter().enumerate() {
+        let expr = expr
+            .replace("$__rate_interval", "1m")
+            .replace("$namespace", ".*")
+            .replace("$job", ".*")
+            .replace("$instance", ".*");
+        rules += &format!("      - record: dashboard:query{i}\n        expr: {expr:?}\n");
+    }
+    std::fs::write(&queries, rules).unwrap();
+    let mut checked: Vec<PathBuf> = RULE_FILES.iter().map(PathBuf::from).collect();
+    checked.push(queries);
+    for (what, files) in [("check", checked), ("test", tests)] {
         let out = Command::new("promtool")
             .args([what, "rules"])
             .args(&files)
