@@ -402,7 +402,7 @@ pub fn compare(
             stored.slot_groups.to_string(),
             stored.slot_groups.to_string(),
             format!(
-                "run with --slot-groups {} (the fences cover fixed slot groups; another count is a rebuild into a new --prefix, then the switch)",
+                "run with --slot-groups {} (each fence covers fixed slot groups: another count means counting the topic afresh into a new --prefix under a new --group, then moving readers to it)",
                 stored.slot_groups
             ),
         ),
