@@ -2,10 +2,13 @@
 //! the Grafana dashboard and the alert rules name only metrics tally exports
 //! (`tally::infra::metrics::ALL`), the Prometheus rule files and the PrometheusRule
 //! carry the same alerts, each with a `for:`, a runbook link and promtool unit
-//! tests that fire and that stay quiet (run here with promtool), the shipped
-//! settings file is valid, KEDA never scales past the partition count, and
-//! `docker compose config` accepts `docker-compose.yml` (with and without the
-//! cluster profile).
+//! tests that fire and that stay quiet (run here with promtool), the dashboard
+//! filters by namespace, job and instance, the shipped settings file is
+//! valid, `kubectl kustomize deploy/` renders what KEDA and Kubernetes need
+//! (no replicas, hashed ConfigMaps, the Kafka cluster, topic and group written
+//! once, required secrets, the SASL component), KEDA never scales past the
+//! partition count, and `docker compose config` accepts `docker-compose.yml`
+//! (with and without the cluster profile).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -468,10 +471,7 @@ fn promtool_checks_and_tests_the_rules() {
 
 #[test]
 fn the_shipped_settings_are_valid() {
-    let map = &yaml(&repo().join("deploy/k8s/configmap.yaml"))[0];
-    let text = map["data"]["tally.toml"]
-        .as_str()
-        .expect("the ConfigMap holds tally.toml");
+    let text = read(&repo().join("deploy/k8s/tally.toml"));
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tally.toml");
     std::fs::write(&file, text).unwrap();
@@ -507,6 +507,242 @@ fn keda_never_scales_past_the_partition_count() {
         .and_then(|n| n.parse().ok())
         .expect("a partition count");
     assert_eq!(max, partitions, "maxReplicaCount must equal the partitions");
+}
+
+const KUSTOMIZE_INSTALL: &str = "kubectl 1.27 or later (kustomize v5 built in), or a standalone kustomize v5: Debian's kubernetes-client is too old for components and replacements";
+
+/// The manifests `kubectl kustomize` (or `kustomize build`) renders from `dir`.
+fn kustomize(dir: &Path) -> Vec<Yaml> {
+    let attempts: [(&str, &[&str]); 2] = [("kustomize", &["build"]), ("kubectl", &["kustomize"])];
+    for (program, args) in attempts {
+        let Ok(out) = Command::new(program).args(args).arg(dir).output() else {
+            continue;
+        };
+        assert!(
+            out.status.success(),
+            "{program} {} {} failed:\n{}",
+            args.join(" "),
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return YamlLoader::load_from_str(&String::from_utf8_lossy(&out.stdout))
+            .expect("kustomize prints YAML");
+    }
+    panic!("neither kustomize nor kubectl is installed; install {KUSTOMIZE_INSTALL}");
+}
+
+fn of_kind<'a>(docs: &'a [Yaml], kind: &str) -> Vec<&'a Yaml> {
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some(kind))
+        .collect()
+}
+
+fn one_of_kind<'a>(docs: &'a [Yaml], kind: &str) -> &'a Yaml {
+    match of_kind(docs, kind)[..] {
+        [doc] => doc,
+        ref found => panic!("{} {kind} manifests rendered, not one", found.len()),
+    }
+}
+
+/// The ConfigMap kustomize generated from `name` (with its hash suffix).
+fn generated<'a>(docs: &'a [Yaml], name: &str) -> &'a Yaml {
+    of_kind(docs, "ConfigMap")
+        .into_iter()
+        .find(|m| {
+            let full = m["metadata"]["name"].as_str().unwrap_or_default();
+            full.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('-'))
+                .is_some_and(|hash| hash.len() == 10)
+        })
+        .unwrap_or_else(|| panic!("no ConfigMap {name}-<hash> generated"))
+}
+
+fn container(deployment: &Yaml) -> &Yaml {
+    &deployment["spec"]["template"]["spec"]["containers"][0]
+}
+
+/// A container's variable: its `valueFrom` source.
+fn env_from<'a>(container: &'a Yaml, name: &str) -> &'a Yaml {
+    let env = container["env"].as_vec().expect("env");
+    let var = env
+        .iter()
+        .find(|v| v["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no variable {name}"));
+    &var["valueFrom"]
+}
+
+#[test]
+fn kustomize_renders_what_kubernetes_and_keda_need() {
+    let docs = kustomize(&repo().join("deploy"));
+    let deployment = one_of_kind(&docs, "Deployment");
+    assert!(
+        deployment["spec"]["replicas"].is_badvalue(),
+        "the Deployment sets replicas: every apply would reset KEDA's count"
+    );
+    let pod = &deployment["spec"]["template"]["spec"];
+    let spread: Vec<&str> = pod["topologySpreadConstraints"]
+        .as_vec()
+        .expect("the Deployment spreads its pods")
+        .iter()
+        .filter_map(|c| c["topologyKey"].as_str())
+        .collect();
+    assert!(
+        spread.contains(&"kubernetes.io/hostname")
+            && spread.contains(&"topology.kubernetes.io/zone"),
+        "topology spread over nodes and zones: {spread:?}"
+    );
+    let tally = container(deployment);
+    let kustomization = &yaml(&repo().join("deploy/kustomization.yaml"))[0];
+    let image = &kustomization["images"][0];
+    assert_eq!(image["name"].as_str(), Some("tally"), "an images: override");
+    assert_eq!(
+        tally["image"].as_str().map(String::from),
+        Some(format!(
+            "{}:{}",
+            image["newName"].as_str().unwrap(),
+            image["newTag"].as_str().unwrap()
+        )),
+        "the container's image comes from the kustomization's images:"
+    );
+
+    // Settings from generated ConfigMaps, whose hashed names roll the pods on an edit.
+    let config = generated(&docs, "tally-config");
+    let volume = &pod["volumes"][0]["configMap"]["name"];
+    assert_eq!(volume, &config["metadata"]["name"], "tally.toml's volume");
+    let kafka = generated(&docs, "tally-kafka");
+    for (var, key) in [
+        ("TALLY_BROKERS", "brokers"),
+        ("TALLY_TOPIC", "topic"),
+        ("TALLY_GROUP", "group"),
+    ] {
+        let source = &env_from(tally, var)["configMapKeyRef"];
+        assert_eq!(source["name"], kafka["metadata"]["name"], "{var}");
+        assert_eq!(source["key"].as_str(), Some(key), "{var}");
+    }
+    // KEDA watches the lag of the group tally consumes in.
+    let scaled = one_of_kind(&docs, "ScaledObject");
+    let trigger = &scaled["spec"]["triggers"][0]["metadata"];
+    for (field, key) in [
+        ("bootstrapServers", "brokers"),
+        ("topic", "topic"),
+        ("consumerGroup", "group"),
+    ] {
+        assert_eq!(
+            trigger[field], kafka["data"][key],
+            "the KEDA trigger's {field}"
+        );
+    }
+
+    // Secrets an auth mode needs are required.
+    let password = &env_from(tally, "TALLY_REDIS_PASSWORD")["secretKeyRef"];
+    assert!(
+        password["optional"].as_bool() != Some(true),
+        "the Redis URL names a user: its password is not optional"
+    );
+    let pdb = one_of_kind(&docs, "PodDisruptionBudget");
+    assert_eq!(
+        pdb["spec"]["unhealthyPodEvictionPolicy"].as_str(),
+        Some("AlwaysAllow"),
+        "pods made unready by a Redis outage must not block node drains"
+    );
+    for kind in ["ServiceMonitor", "PrometheusRule"] {
+        assert!(
+            one_of_kind(&docs, kind)["metadata"]["labels"]["release"]
+                .as_str()
+                .is_some(),
+            "the {kind} lacks the `release` label kube-prometheus-stack selects by"
+        );
+    }
+}
+
+#[test]
+fn kustomize_renders_the_sasl_component() {
+    // An overlay beside deploy/ (kustomize refuses one inside the root it builds).
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("deploy");
+    std::os::unix::fs::symlink(repo().join("deploy"), &link).unwrap();
+    let overlay = dir.path().join("overlay");
+    std::fs::create_dir(&overlay).unwrap();
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        "resources: [../deploy]\ncomponents: [../deploy/k8s/sasl]\n",
+    )
+    .unwrap();
+    let docs = kustomize(&overlay);
+    let tally = container(one_of_kind(&docs, "Deployment"));
+    let password = &env_from(tally, "TALLY_KAFKA_SASL_PASSWORD")["secretKeyRef"];
+    assert_eq!(password["name"].as_str(), Some("tally-secrets"));
+    assert!(
+        password["optional"].as_bool() != Some(true),
+        "with SASL on, the Kafka password is not optional"
+    );
+    let auth = one_of_kind(&docs, "TriggerAuthentication");
+    let trigger = &one_of_kind(&docs, "ScaledObject")["spec"]["triggers"][0];
+    assert_eq!(
+        trigger["authenticationRef"]["name"], auth["metadata"]["name"],
+        "the KEDA trigger logs in with the TriggerAuthentication"
+    );
+    assert_eq!(trigger["metadata"]["sasl"].as_str(), Some("scram_sha512"));
+}
+
+#[test]
+fn the_kafka_cluster_topic_and_group_are_written_once() {
+    let kustomization = &yaml(&repo().join("deploy/kustomization.yaml"))[0];
+    let generators = kustomization["configMapGenerator"].as_vec().unwrap();
+    let kafka = generators
+        .iter()
+        .find(|g| g["name"].as_str() == Some("tally-kafka"))
+        .expect("a tally-kafka ConfigMap generator");
+    let literals: Vec<&str> = kafka["literals"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .filter_map(Yaml::as_str)
+        .collect();
+    let brokers = literals
+        .iter()
+        .find_map(|l| l.strip_prefix("brokers="))
+        .expect("brokers=");
+    let mut files = Vec::new();
+    files_under(&repo().join("deploy/k8s"), &mut files);
+    let mut seen = Vec::new();
+    for file in &files {
+        let text = read(file);
+        if text.contains(brokers) {
+            seen.push(file.display().to_string());
+        }
+        if file.extension().is_some_and(|e| e == "toml") {
+            for line in text.lines() {
+                let key = line.split('=').next().unwrap_or_default().trim();
+                assert!(
+                    !["brokers", "topic", "group"].contains(&key),
+                    "{}: {key} belongs in tally-kafka (deploy/kustomization.yaml)",
+                    file.display()
+                );
+            }
+        }
+    }
+    assert!(
+        seen.is_empty(),
+        "{brokers} is written again in {seen:?}: it belongs in tally-kafka only"
+    );
+    let scaled = &yaml(&repo().join("deploy/k8s/keda-scaledobject.yaml"))[0];
+    let trigger = &scaled["spec"]["triggers"][0]["metadata"];
+    for (field, key) in [
+        ("bootstrapServers", "brokers"),
+        ("topic", "topic"),
+        ("consumerGroup", "group"),
+    ] {
+        let value = literals
+            .iter()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("tally-kafka has no {key}"));
+        assert_ne!(
+            trigger[field].as_str(),
+            Some(value),
+            "keda-scaledobject.yaml writes {field} itself: the kustomization's replacements fill it"
+        );
+    }
 }
 
 /// `docker compose` (the plugin) or Debian's `docker-compose`.
