@@ -785,6 +785,131 @@ fn compose_config_succeeds() {
     }
 }
 
+/// `docker-compose.yml` as compose resolves it (anchors and merges applied).
+fn compose_resolved(profile: &[&str]) -> Yaml {
+    let compose = compose().unwrap_or_else(|| {
+        panic!("neither `docker compose` nor `docker-compose` is installed; run: {COMPOSE_INSTALL}")
+    });
+    let out = Command::new(compose[0])
+        .args(&compose[1..])
+        .args(profile)
+        .arg("config")
+        .current_dir(repo())
+        .output()
+        .expect("run compose");
+    assert!(out.status.success(), "compose config failed");
+    YamlLoader::load_from_str(&String::from_utf8_lossy(&out.stdout)).expect("compose prints YAML")
+        [0]
+    .clone()
+}
+
+#[test]
+fn compose_services_wait_for_healthy_dependencies() {
+    let config = compose_resolved(&["--profile", "cluster"]);
+    let services = config["services"].as_hash().expect("services");
+    assert!(services.len() >= 14, "{} services", services.len());
+    for (name, service) in services {
+        let name = name.as_str().unwrap();
+        // One-shot jobs (restart: "no") are waited for with service_completed_successfully.
+        let one_shot = service["restart"].as_str() == Some("no");
+        if !one_shot {
+            let test = &service["healthcheck"]["test"];
+            assert!(
+                !test.is_badvalue() && service["healthcheck"]["disable"].as_bool() != Some(true),
+                "{name} has no healthcheck"
+            );
+        }
+        let Some(depends) = service["depends_on"].as_hash() else {
+            continue;
+        };
+        for (on, how) in depends {
+            let on = on.as_str().unwrap();
+            let condition = how["condition"].as_str();
+            let expected = if services[&Yaml::String(on.into())]["restart"].as_str() == Some("no") {
+                "service_completed_successfully"
+            } else {
+                "service_healthy"
+            };
+            assert_eq!(condition, Some(expected), "{name} depends on {on}");
+        }
+        let command = format!("{:?}{:?}", service["command"], service["entrypoint"]);
+        assert!(
+            !command.contains("sleep 3"),
+            "{name} sleeps instead of waiting for readiness"
+        );
+    }
+}
+
+#[test]
+fn compose_keeps_kafka_and_redis_on_volumes() {
+    let config = compose_resolved(&[]);
+    let volumes = config["volumes"].as_hash().expect("volumes");
+    for (service, path) in [("kafka", "KAFKA_LOG_DIRS"), ("redis", "")] {
+        let service = &config["services"][service];
+        let dir = if path.is_empty() {
+            "/data"
+        } else {
+            service["environment"][path]
+                .as_str()
+                .expect("kafka's KAFKA_LOG_DIRS")
+        };
+        let mounts = service["volumes"].as_vec().expect("volumes");
+        // docker-compose 1 prints `source:target:mode`, compose 2 a map.
+        let mounted = mounts.iter().any(|m| {
+            let (source, target) = match m.as_str() {
+                Some(short) => {
+                    let mut parts = short.split(':');
+                    (parts.next(), parts.next())
+                }
+                None => (m["source"].as_str(), m["target"].as_str()),
+            };
+            target == Some(dir)
+                && source.is_some_and(|s| volumes.contains_key(&Yaml::String(s.into())))
+        });
+        assert!(mounted, "{dir} is not on a named volume: {mounts:?}");
+    }
+    let text = read(&repo().join("docker-compose.yml"));
+    assert!(
+        text.contains("down -v"),
+        "docker-compose.yml says what `down -v` removes"
+    );
+}
+
+#[test]
+fn the_dockerfile_caches_dependencies_and_pins_its_bases() {
+    let text = read(&repo().join("Dockerfile"));
+    assert!(
+        !text.contains("--mount=type=cache"),
+        "the dependency cache must work without BuildKit cache mounts"
+    );
+    let froms: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("FROM "))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(froms.len(), 2, "{froms:?}");
+    for image in froms {
+        let tag = image.split_once(':').map(|(_, t)| t).unwrap_or("latest");
+        let version: Vec<&str> = tag.split(['-', '.']).collect();
+        assert!(
+            version.len() >= 2 && version[..2].iter().all(|p| p.parse::<u32>().is_ok()),
+            "{image}: pin a release (major.minor), not a moving tag"
+        );
+    }
+    // The dependency layer builds before the sources are copied.
+    let deps = text.find("cargo build").expect("a cargo build");
+    let sources = text.find("COPY src src").expect("COPY src src");
+    assert!(
+        deps < sources,
+        "dependencies build in a layer of their own, before src/"
+    );
+    assert!(text.contains("LABEL org.opencontainers.image.title"));
+    assert!(
+        text.contains("\nHEALTHCHECK ") || text.contains("# No HEALTHCHECK:"),
+        "a HEALTHCHECK, or the reason there is none"
+    );
+}
+
 #[test]
 fn metric_names_are_found_in_expressions() {
     assert_eq!(
