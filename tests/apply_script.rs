@@ -57,7 +57,7 @@ fn apply_duplicate_straddle_and_gap() {
     let rt = runtime();
     let applier = applier(&rt, &redis.url(), "t");
     let mut conn = redis.conn();
-    let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap();
+    let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap().unwrap();
     let count = |conn: &mut redis::Connection, post: u64, bucket: u32| -> i64 {
         conn.get::<_, Option<i64>>(format!("t:likes:{post}:{bucket}"))
             .unwrap()
@@ -127,6 +127,60 @@ fn apply_duplicate_straddle_and_gap() {
     );
 }
 
+/// A key INCRBY refuses, anywhere in the batch, leaves every key and the fence as they were:
+/// a script stopped half-way would keep its first increments, and each retry would add them
+/// again.
+#[test]
+fn a_refused_key_writes_nothing() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), "r");
+    let mut conn = redis.conn();
+    let _: () = conn.set("r:likes:3:0", 10).unwrap();
+    let _: () = conn.set("r:likes:3:1", "x").unwrap();
+    let _: () = conn.hset("r:likes:3:4", "f", "1").unwrap();
+    let _: () = conn.set("r:likes:3:5", i64::MAX).unwrap();
+    let batch = |bad: u32| script(0, 9, -1, &[(3, 0, 2), (3, 2, 4), (3, bad, 1), (3, 3, 5)]);
+    let snapshot = |conn: &mut redis::Connection| -> Vec<(String, String)> {
+        let mut keys: Vec<String> = conn.keys("r:*").unwrap();
+        keys.sort();
+        keys.into_iter()
+            .map(|k| {
+                let kind: String = redis::cmd("TYPE").arg(&k).query(conn).unwrap();
+                let value: String = if kind == "string" {
+                    conn.get(&k).unwrap()
+                } else {
+                    kind
+                };
+                (k, value)
+            })
+            .collect()
+    };
+    let before = snapshot(&mut conn);
+    for (bad, says) in [(1, "not an integer"), (4, "WRONGTYPE"), (5, "overflow")] {
+        for _ in 0..3 {
+            match rt.block_on(applier.apply_once(&batch(bad))).unwrap() {
+                Err(tally::pipeline::apply::ApplyError::BadKey { key, error, .. }) => {
+                    assert_eq!(key, format!("r:likes:3:{bad}"));
+                    assert!(error.contains(says), "{error}");
+                }
+                other => panic!("bucket {bad}: {other:?}"),
+            }
+            assert_eq!(snapshot(&mut conn), before, "bucket {bad}");
+        }
+    }
+    // Once the key is fixed the same batch applies, once.
+    let _: () = conn.set("r:likes:3:1", 0).unwrap();
+    assert_eq!(
+        rt.block_on(applier.apply_once(&batch(1))).unwrap().unwrap(),
+        reply(Decision::Apply, -1)
+    );
+    let values: Vec<i64> = (0..4)
+        .map(|b| conn.get(format!("r:likes:3:{b}")).unwrap())
+        .collect();
+    assert_eq!(values, vec![12, 1, 4, 5]);
+}
+
 #[test]
 fn script_is_reloaded_after_script_flush() {
     let redis = RedisServer::start();
@@ -135,13 +189,19 @@ fn script_is_reloaded_after_script_flush() {
     let mut conn = redis.conn();
     let first = script(0, 0, -1, &[(7, 0, 1)]);
     assert_eq!(
-        rt.block_on(applier.apply_once(&first)).unwrap().decision,
+        rt.block_on(applier.apply_once(&first))
+            .unwrap()
+            .unwrap()
+            .decision,
         Decision::Apply
     );
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
     let second = script(1, 1, -1, &[(7, 0, 1)]);
     assert_eq!(
-        rt.block_on(applier.apply_once(&second)).unwrap().decision,
+        rt.block_on(applier.apply_once(&second))
+            .unwrap()
+            .unwrap()
+            .decision,
         Decision::Apply
     );
     let value: i64 = conn.get("f:likes:7:0").unwrap();
@@ -184,6 +244,7 @@ fn lua_agrees_with_the_decision_table() {
             let _: () = conn.set("m:likes:1:0", 0).unwrap();
             let got = rt
                 .block_on(applier.apply_once(&script(start, last, absent, &[(1, 0, 3)])))
+                .unwrap()
                 .unwrap();
             let effective = fence.unwrap_or(absent);
             let want = decide(effective, start, last);

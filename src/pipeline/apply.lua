@@ -12,7 +12,12 @@
 --   1 duplicate: fence >= last; nothing written
 --   2 straddle: start <= fence < last; nothing written
 --   3 gap: fence + 1 < start; nothing written
--- The decision table is src/fence.rs; the tests hold this script to it.
+--   4 refused: {4, fence, i, error}: INCRBY refused KEYS[i] (a value that is not
+--     an integer, another type, an overflow); the deltas already added are taken
+--     back, so no count changes and the fence stays
+-- Codes 0-3 are the decision table of src/domain/fence.rs; the tests hold this
+-- script to it. A script that stopped on an error would keep the INCRBYs made
+-- before it, and every retry would add them again: hence pcall and the undo.
 
 local raw = redis.call('GET', KEYS[1])
 local fence = tonumber(raw or ARGV[3])
@@ -29,8 +34,22 @@ if fence + 1 > start then
   return {2, fence}
 end
 
+-- A key that held 0 before its INCRBY (absent, or "0") is deleted by the
+-- undo: absent reads as 0, and the failed call creates no keys.
+local was_zero = {}
 for i = 2, #KEYS do
-  redis.call('INCRBY', KEYS[i], ARGV[i + 2])
+  local added = redis.pcall('INCRBY', KEYS[i], ARGV[i + 2])
+  if type(added) == 'table' and added.err then
+    for j = i - 1, 2, -1 do
+      if was_zero[j] then
+        redis.call('DEL', KEYS[j])
+      else
+        redis.call('DECRBY', KEYS[j], ARGV[j + 2])
+      end
+    end
+    return {4, fence, i, added.err}
+  end
+  was_zero[i] = added == tonumber(ARGV[i + 2])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence}

@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use redis::{Cmd, RedisError};
 use tokio_util::sync::CancellationToken;
+use tracing::error;
 
 use crate::domain::fence::{Decision, PartitionFences, Reply};
 use crate::domain::routing::{CounterId, KeyLayout};
@@ -51,6 +52,9 @@ use crate::infra::store::{Shared, Target, connect_blocking};
 
 /// The script, with its header comment documenting KEYS, ARGV and replies.
 pub const APPLY_LUA: &str = include_str!("apply.lua");
+
+/// The script's code for a counter key INCRBY refused (beyond the decision table).
+const REFUSED: i64 = 4;
 
 /// Errors that end an apply.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +65,20 @@ pub enum ApplyError {
     /// The script answered something it never answers.
     #[error("unexpected reply from apply.lua: {0}")]
     BadReply(String),
+    /// A counter key holds a value INCRBY refuses; nothing of the batch was written.
+    #[error(
+        "counter key {key} holds a value Redis cannot add to ({error}); this batch (offsets {start}..={last}) was not applied and nothing was written: fix or delete the key (GET/TYPE it; a value tally did not write), then restart"
+    )]
+    BadKey {
+        /// The key.
+        key: String,
+        /// Redis's error.
+        error: String,
+        /// First offset of the refused range.
+        start: i64,
+        /// Last offset of the refused range.
+        last: i64,
+    },
     /// Shutdown came first; the batch was not confirmed (safe: nothing is committed).
     #[error("cancelled by shutdown")]
     Cancelled,
@@ -210,9 +228,13 @@ impl Applier {
         script_call(body, self.keys(), &fence_key, prepared)
     }
 
-    /// One attempt; a missing script is sent in full once.
-    pub async fn apply_once(&self, prepared: &Prepared) -> Result<Reply, RedisError> {
-        let (code, fence): (i64, i64) = self
+    /// One attempt; a missing script is sent in full once. `Ok(Err(..))`
+    /// when the script refused a counter key and wrote nothing.
+    pub async fn apply_once(
+        &self,
+        prepared: &Prepared,
+    ) -> Result<Result<Reply, ApplyError>, RedisError> {
+        let reply: Vec<redis::Value> = self
             .store
             .call(|mut store| async move {
                 let by_hash = self.command(prepared, ScriptBody::ByHash(&self.sha));
@@ -226,14 +248,36 @@ impl Applier {
                 }
             })
             .await?;
-        let decision = Decision::from_code(code).ok_or_else(|| {
+        let unexpected = || {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
                 "apply.lua reply",
-                format!("code {code}, fence {fence}"),
+                format!("{reply:?}"),
             ))
-        })?;
-        Ok(Reply { decision, fence })
+        };
+        let number = |i: usize| -> Result<i64, RedisError> {
+            reply
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref(v).ok())
+                .ok_or_else(unexpected)
+        };
+        let (code, fence) = (number(0)?, number(1)?);
+        if code == REFUSED {
+            let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
+            let (id, _) = prepared.deltas.get(index).ok_or_else(unexpected)?;
+            let error = reply
+                .get(3)
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .unwrap_or_default();
+            return Ok(Err(ApplyError::BadKey {
+                key: self.keys().key_of(*id),
+                error,
+                start: prepared.start,
+                last: prepared.last,
+            }));
+        }
+        let decision = Decision::from_code(code).ok_or_else(unexpected)?;
+        Ok(Ok(Reply { decision, fence }))
     }
 
     /// Applies with retries on transient errors until success, a fatal error
@@ -247,14 +291,19 @@ impl Applier {
             "apply partition {} group {} offsets {}..={}",
             prepared.partition, prepared.group, prepared.start, prepared.last
         );
-        retry_redis(&what, cancel, || self.apply_once(prepared))
+        let outcome = retry_redis(&what, cancel, || self.apply_once(prepared))
             .await
             .map_err(|gave_up| match gave_up {
                 GaveUp::Fatal(error) if error.kind() == redis::ErrorKind::UnexpectedReturnType => {
                     ApplyError::BadReply(error.to_string())
                 }
                 other => other.into(),
-            })
+            })?;
+        if let Err(ApplyError::BadKey { key, error, .. }) = &outcome {
+            crate::infra::metrics::script_refused();
+            error!(partition = prepared.partition, %key, %error, "A counter key refused its increment; the batch was not applied.");
+        }
+        outcome
     }
 
     /// Reads a partition's origin and every slot group's fence.
