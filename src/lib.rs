@@ -21,6 +21,7 @@
 //!   commit      Kafka offsets, only after the script succeeded
 //!   dead_letter copies of bad messages, confirmed before their batch applies
 //!   hot         hot-post detection and automatic promotion
+//!   guard       refusals and reports for what operations do to the log and the store
 //! domain/     what the stored data means
 //!   fence       the pure apply / duplicate / straddle / gap decision
 //!   routing     the stable hash, buckets and the Redis key layout
@@ -43,6 +44,7 @@
 //!   verify      recount in memory and compare
 //!   gc          remove old generations after a grace period
 //!   promote     routing changes by hand
+//!   reset       fences of a replaced log, counted again from its start
 //! read        the read path: the cached, coalescing Reader
 //! generate    synthetic like traffic, for tests, benchmarks and the demo
 //! ```

@@ -1,11 +1,13 @@
 //! Operations on stored counts: rebuild a generation from the topic, verify
-//! counts against it, remove old generations, change a post's routing.
+//! counts against it, remove old generations, change a post's routing,
+//! reset the fences of a log that was replaced.
 //!
 //! Each returns what it did as data; the CLI decides how to show it.
 
 pub mod gc;
 pub mod promote;
 pub mod rebuild;
+pub mod reset;
 pub mod verify;
 
 use rdkafka::error::KafkaError;

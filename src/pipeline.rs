@@ -10,5 +10,6 @@ pub mod commit;
 pub mod consume;
 pub mod dead_letter;
 pub mod decode;
+pub mod guard;
 pub mod hot;
 pub mod run;

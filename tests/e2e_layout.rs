@@ -6,8 +6,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -15,32 +14,6 @@ const EVENTS: usize = 20_000;
 const PARTITIONS: i32 = 4;
 /// Not the default (16): a reader that fell back to the default would under-read.
 const BUCKETS: &str = "32";
-
-/// `tally run <args>`, which must end by itself within 30 s.
-fn run_refused(args: &[String]) -> Output {
-    let mut cmd = Command::new(tally_bin());
-    cmd.arg("run")
-        .args(args)
-        .env_remove("TALLY_LOG")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("start tally run");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().expect("poll tally").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("reap tally");
-            panic!(
-                "tally run {args:?} was not refused; it ran for 30 s:\n{}",
-                output_text(&out)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    child.wait_with_output().expect("reap tally")
-}
 
 /// `args` with `flag`'s value replaced (or added).
 fn with(args: &[String], flag: &str, value: &str) -> Vec<String> {
@@ -93,23 +66,14 @@ fn changed_layout_flags_are_refused_and_readers_need_none() {
             "a --prefix of its own",
         ),
     ] {
-        let out = run_refused(&with(&args, flag, value));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-        assert_eq!(out.status.code(), Some(1), "{flag} {value}:\n{stderr}");
-        assert_eq!(
-            lines.len(),
-            1,
-            "{flag} {value}: expected one line:\n{stderr}"
-        );
+        let line = refusal_line(&run_refused(&with(&args, flag, value)));
         let expected = format!(
             "error: {flag} {value} does not match the layout record {}:layout, written with {stored}: ",
             run.prefix
         );
         assert!(
-            lines[0].starts_with(&expected) && lines[0].contains(remedy),
-            "{}",
-            lines[0]
+            line.starts_with(&expected) && line.contains(remedy),
+            "{line}"
         );
     }
     // librdkafka settings that would skip or add events are refused before anything starts.

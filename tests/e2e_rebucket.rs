@@ -12,11 +12,10 @@ mod common;
 mod library;
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cluster::RedisCluster;
 use common::*;
@@ -103,30 +102,6 @@ impl Store {
             ),
         }
     }
-}
-
-/// `tally run` with `args`, which must be refused within 30 s; its stderr.
-fn refused(args: &[String]) -> String {
-    let mut child = Command::new(tally_bin())
-        .arg("run")
-        .args(args)
-        .env_remove("TALLY_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start tally run");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().expect("poll tally").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("tally run {args:?} was not refused within 30 s");
-        }
-        thread::sleep(Duration::from_millis(100));
-    }
-    let out = child.wait_with_output().expect("reap tally");
-    assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// `tally rebucket --to-buckets n`; its stdout.
@@ -223,7 +198,7 @@ fn rebucket_under_live_traffic(name: &str, store: Store) {
     // A start that repeats the old count is refused, naming the count in force.
     let mut stale = base.clone();
     stale.extend(["--buckets", "16"].map(String::from));
-    let stderr = refused(&stale);
+    let stderr = refusal_line(&run_refused(&stale));
     assert!(
         stderr.contains("--buckets 16 does not match the layout record")
             && stderr.contains("written with 16, rebucketed to 1: ")
@@ -295,7 +270,7 @@ fn rebucket_under_live_traffic(name: &str, store: Store) {
     // Back at the record's count, the record's wording.
     let mut stale = base.clone();
     stale.extend(["--buckets", "1"].map(String::from));
-    let stderr = refused(&stale);
+    let stderr = refusal_line(&run_refused(&stale));
     assert!(
         stderr.contains("--buckets 1 does not match the layout record")
             && stderr.contains("written with 16: run with --buckets 16"),

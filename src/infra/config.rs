@@ -593,6 +593,10 @@ pub struct RunSettings {
     /// Testing only: send a batch's scripts one by one with this pause
     /// between them, so a crash can land between two scripts.
     pub test_script_pause: Duration,
+    /// Count from the group's committed offsets over a store that holds
+    /// nothing (see [`crate::pipeline::guard`]); a one-off decision, never
+    /// read from a file or the environment.
+    pub accept_lost_counts: bool,
 }
 
 impl RunSettings {

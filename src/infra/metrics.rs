@@ -21,7 +21,8 @@ pub const DEAD_LETTERS: &str = "tally_dead_letters_total";
 /// Batches finished, by `outcome`: `applied` (every script landed or was
 /// already in) or `resync` (a fence disagreed; the partition re-reads).
 pub const BATCHES: &str = "tally_batches_total";
-/// Lua script replies, by `outcome` (applied, duplicate, straddle, gap).
+/// Lua script replies, by `outcome` (applied, duplicate, straddle, gap,
+/// refused: a counter key refused its increment and nothing was written).
 pub const SCRIPTS: &str = "tally_scripts_total";
 /// Counter keys per script.
 pub const SCRIPT_KEYS: &str = "tally_script_keys";
@@ -55,6 +56,10 @@ pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
 pub const APPLIED_OFFSET: &str = "tally_applied_offset";
 /// Consumer group rebalances this consumer took part in.
 pub const REBALANCES: &str = "tally_rebalances_total";
+
+/// Offsets never applied because they left the log first, by `reason`
+/// (`retention`: deleted before tally applied them).
+pub const OFFSETS_SKIPPED: &str = "tally_offsets_skipped_total";
 
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
@@ -160,6 +165,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Consumer group rebalances this consumer took part in.",
     ),
     (
+        OFFSETS_SKIPPED,
+        Kind::Counter,
+        "Offsets never applied because they left the log first, by reason.",
+    ),
+    (
         ROUTED_POSTS,
         Kind::Gauge,
         "Posts with routing metadata in this consumer's view of the registry.",
@@ -172,7 +182,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
 ];
 
 /// Script outcomes, the values of [`SCRIPTS`]' `outcome` label.
-pub const SCRIPT_OUTCOMES: [&str; 4] = ["applied", "duplicate", "straddle", "gap"];
+pub const SCRIPT_OUTCOMES: [&str; 5] = ["applied", "duplicate", "straddle", "gap", "refused"];
 /// Routing triggers, the values of [`PROMOTIONS`]' `trigger` label.
 pub const TRIGGERS: [&str; 2] = ["auto", "manual"];
 
@@ -214,6 +224,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     for trigger in TRIGGERS {
         counter!(PROMOTIONS, "trigger" => trigger).absolute(0);
     }
+    counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     gauge!(ROUTED_POSTS).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
@@ -249,6 +260,16 @@ pub fn batch_done(applied: bool, messages: u64, bad: u64, increments: usize, too
 /// Records a Redis retry.
 pub fn redis_retry() {
     counter!(REDIS_RETRIES).increment(1);
+}
+
+/// Records a script that refused a counter key and wrote nothing.
+pub fn script_refused() {
+    counter!(SCRIPTS, "outcome" => "refused").increment(1);
+}
+
+/// Records offsets that left the log before they were applied.
+pub fn offsets_skipped(reason: &'static str, offsets: u64) {
+    counter!(OFFSETS_SKIPPED, "reason" => reason).increment(offsets);
 }
 
 /// Records a NOSCRIPT reload.

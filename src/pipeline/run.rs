@@ -54,6 +54,7 @@ use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::{self, LikeConsumer, TallyContext, TopicError};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::decode::BadReason;
+use crate::pipeline::guard::{self, GuardError};
 use crate::pipeline::hot::{Detector, Policy};
 
 mod follow;
@@ -81,6 +82,14 @@ pub enum RunError {
     /// The Kafka client could not be created.
     #[error("cannot create the Kafka client: {0} (check -X settings)")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    /// An apply task panicked.
+    #[error(
+        "an apply task failed ({0}); exiting so that the supervisor restarts tally (the fences make a restart exact)"
+    )]
+    Crashed(String),
+    /// An operation changed the log or the store under the fences.
+    #[error(transparent)]
+    Guard(#[from] GuardError),
     /// A batch hit an error no retry fixes; nothing past it was committed.
     #[error("partition {partition}: {source}")]
     Apply {
@@ -153,7 +162,8 @@ pub async fn run_with(
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
-    let record = check_layout(&opened, &settings).await?;
+    let target = opened.target().clone();
+    tokio::task::block_in_place(|| guard::check_eviction(&target))?;
     let unreadable = |source| ConnectError {
         url: opened.url.shown().to_string(),
         source,
@@ -174,6 +184,15 @@ pub async fn run_with(
         &kafka.group,
         &kafka.topic,
     );
+    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
+    let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
+    let partitions = consume::check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic")?;
+    let first_start = FirstStart {
+        consumer: &consumer,
+        partitions,
+        live: mode.fixed_prefix.is_none(),
+    };
+    let record = check_layout(&opened, &settings, first_start).await?;
     let route_stop = shutdown.child_token();
     let routes = Routes::new(
         applier.store().clone(),
@@ -187,9 +206,6 @@ pub async fn run_with(
     )
     .await
     .map_err(unreadable)?;
-    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
-    let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
-    let partitions = consume::check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic")?;
     let dead_letters = dead_letters(&consumer, kafka)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     consumer.subscribe(&[&kafka.topic])?;
@@ -217,34 +233,71 @@ pub async fn run_with(
     result
 }
 
+/// Checks each newly owned partition's fences against its log (see [`guard`]).
+fn check_logs(
+    consumer: &LikeConsumer,
+    topic: &str,
+    resumed: &[(i32, i64)],
+) -> Result<(), RunError> {
+    for &(partition, resume) in resumed {
+        tokio::task::block_in_place(|| guard::check_log(consumer, topic, partition, resume))?;
+    }
+    Ok(())
+}
+
+/// What the layout check needs to tell a first start from a store that lost
+/// everything.
+struct FirstStart<'a> {
+    consumer: &'a LikeConsumer,
+    partitions: usize,
+    /// `tally run` itself (a rebuild reads with a group of its own).
+    live: bool,
+}
+
 /// Writes the prefix's layout record on the first start (adopting what an
 /// earlier version wrote without one), refuses settings that differ from it,
-/// and returns it.
-async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<Record, RunError> {
+/// and returns it. A store with no record and no data under a group that has
+/// committed offsets lost everything: refused, unless the loss is accepted.
+async fn check_layout(
+    opened: &OpenStore,
+    settings: &RunSettings,
+    first: FirstStart<'_>,
+) -> Result<Record, RunError> {
     let base = settings.store.prefix();
+    let kafka = &settings.kafka;
+    if layout::read_record(&opened.store, base).await?.is_none()
+        && !holds_data(opened, settings).await?
+        && first.live
+    {
+        let committed = tokio::task::block_in_place(|| {
+            guard::committed(first.consumer, &kafka.topic, first.partitions)
+        })?;
+        if !committed.is_empty() {
+            let shown = committed
+                .iter()
+                .take(5)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(" ");
+            if !settings.accept_lost_counts {
+                return Err(GuardError::LostStore {
+                    prefix: base.to_string(),
+                    group: kafka.group.clone(),
+                    topic: kafka.topic.clone(),
+                    committed: shown,
+                }
+                .into());
+            }
+            warn!(
+                committed = %shown,
+                "Redis holds nothing for this prefix: counting from the group's committed offsets, as --accept-lost-counts says; every like before them is lost."
+            );
+        }
+    }
     let proposed = Record::of_writer(settings, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
-        let origin = opened
-            .keys
-            .origin_key(&settings.kafka.group, &settings.kafka.topic, 0);
-        let pointer = generation::pointer_key(base);
-        let existing = opened
-            .store
-            .call(|mut s| async move {
-                let a: bool = redis::cmd("EXISTS")
-                    .arg(&origin)
-                    .query_async(&mut s)
-                    .await?;
-                let b: bool = redis::cmd("EXISTS")
-                    .arg(&pointer)
-                    .query_async(&mut s)
-                    .await?;
-                Ok::<_, redis::RedisError>(a || b)
-            })
-            .await
-            .map_err(LayoutError::from)?;
-        if existing {
+        if holds_data(opened, settings).await? {
             warn!(
                 key = %layout::record_key(base),
                 buckets = record.buckets,
@@ -264,6 +317,35 @@ async fn check_layout(opened: &OpenStore, settings: &RunSettings) -> Result<Reco
     }
     layout::check_writer(opened, &proposed, &record).await?;
     Ok(record)
+}
+
+/// Whether the prefix holds counts of the group: partition 0's origin, or a
+/// generation pointer.
+async fn holds_data(opened: &OpenStore, settings: &RunSettings) -> Result<bool, LayoutError> {
+    let base = settings.store.prefix();
+    let origin = opened
+        .keys
+        .origin_key(&settings.kafka.group, &settings.kafka.topic, 0);
+    let pointer = generation::pointer_key(base);
+    let found = opened
+        .store
+        .call(|mut s| {
+            let (origin, pointer) = (origin.clone(), pointer.clone());
+            async move {
+                // Two calls: on a cluster the keys lie in different slots.
+                let origin: bool = redis::cmd("EXISTS")
+                    .arg(&origin)
+                    .query_async(&mut s)
+                    .await?;
+                let pointer: bool = redis::cmd("EXISTS")
+                    .arg(&pointer)
+                    .query_async(&mut s)
+                    .await?;
+                Ok::<_, redis::RedisError>(origin || pointer)
+            }
+        })
+        .await?;
+    Ok(found)
 }
 
 /// A live pipeline's view of the generation pointer; `None` for a pipeline
@@ -393,7 +475,7 @@ impl Pipeline {
         let mut tick = tokio::time::interval(tick_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            self.apply_rebalances();
+            self.apply_rebalances()?;
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
@@ -411,12 +493,12 @@ impl Pipeline {
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;
-                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
-                                self.blocked = false;
-                            }
+                            let changed = intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes);
+                            if changed.any { self.blocked = false; }
+                            check_logs(&self.consumer, &self.settings.kafka.topic, &changed.resumed)?;
                             let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, self.dead_letters.as_deref());
                             drop(message);
-                            if accepted { self.after_accept(partition); }
+                            if accepted { self.after_accept(partition)?; }
                         }
                         Err(error) => warn!(%error, "Kafka consumer error."),
                     }
@@ -448,23 +530,25 @@ impl Pipeline {
     }
 
     /// Applies ownership changes queued by the rebalance callback.
-    fn apply_rebalances(&mut self) {
+    fn apply_rebalances(&mut self) -> Result<(), RunError> {
         let changes = self.consumer.context().take_changes();
         let groups = self.applier.keys().groups().count() as usize;
-        if intake::apply_changes(
+        let changed = intake::apply_changes(
             &mut self.owned,
             &mut self.committer,
             &mut self.epochs,
             groups,
             changes,
-        ) {
+        );
+        if changed.any {
             self.blocked = false;
         }
+        check_logs(&self.consumer, &self.settings.kafka.topic, &changed.resumed)
     }
 
-    fn after_accept(&mut self, partition: i32) {
+    fn after_accept(&mut self, partition: i32) -> Result<(), RunError> {
         // Ownership changes queued during recv() take effect before anything else.
-        self.apply_rebalances();
+        self.apply_rebalances()?;
         let full = self
             .owned
             .get(&partition)
@@ -476,6 +560,7 @@ impl Pipeline {
                 .get(&partition)
                 .is_some_and(|s| s.batch.is_full(&self.limits));
         }
+        Ok(())
     }
 
     /// Dispatches every batch that is full or old enough (or any, when
@@ -598,11 +683,10 @@ impl Pipeline {
     fn finish(&mut self, joined: Result<Done, tokio::task::JoinError>) -> Result<(), RunError> {
         let done = match joined {
             Ok(done) => done,
-            Err(error) => {
-                // A panicked apply task: nothing was committed for it.
-                warn!(%error, "Apply task failed.");
-                return Ok(());
-            }
+            // A panicked apply task would leave its partition busy for good;
+            // crash-only instead: nothing was committed for it, and the fences
+            // make a restart exact.
+            Err(error) => return Err(RunError::Crashed(error.to_string())),
         };
         self.busy.remove(&done.partition);
         let partition = done.partition;
@@ -712,7 +796,9 @@ impl Pipeline {
     /// scripts in flight, commit what landed.
     async fn drain(&mut self) {
         let deadline = tokio::time::Instant::now() + self.settings.batching.shutdown_timeout;
-        self.apply_rebalances();
+        if let Err(error) = self.apply_rebalances() {
+            warn!(%error, "Stopping with a partition whose log does not fit its fences.");
+        }
         self.dispatch_ready(true);
         while !self.in_flight.is_empty() {
             tokio::select! {

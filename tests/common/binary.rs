@@ -76,6 +76,52 @@ pub fn tally_cli(args: &[&str]) -> Output {
         .expect("run tally")
 }
 
+/// `tally run <args>`, which must end by itself within 30 s (a refusal at start): its output.
+pub fn run_refused(args: &[String]) -> Output {
+    let mut child = Command::new(tally_bin())
+        .arg("run")
+        .args(args)
+        .env_remove("TALLY_LOG")
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start tally run");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("poll tally").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("reap tally");
+            panic!(
+                "tally run {args:?} was not refused; it ran for 30 s:\n{}",
+                output_text(&out)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().expect("reap tally")
+}
+
+/// The one line a refused `tally run` printed, after checking it exited with 1.
+pub fn refusal_line(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(out));
+    assert_eq!(lines.len(), 1, "expected one line:\n{stderr}");
+    lines[0].to_string()
+}
+
+/// The error line a `tally run` that stopped on its own printed last (after its log), after
+/// checking it exited with 1.
+pub fn error_line(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}", output_text(out));
+    let last = stderr.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+    assert!(last.starts_with("error: "), "no error line last:\n{stderr}");
+    last.to_string()
+}
+
 /// A finished command's stdout followed by its stderr, for assertions and failure messages.
 pub fn output_text(out: &Output) -> String {
     format!(

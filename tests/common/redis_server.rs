@@ -334,7 +334,9 @@ fn parse_counter_key(tail: &str) -> Option<u64> {
         }
         [post, version, bucket] => {
             // `v<k>`: a post's own version; `d<e>`: an epoch of the default layout.
-            let number = version.strip_prefix('v').or_else(|| version.strip_prefix('d'))?;
+            let number = version
+                .strip_prefix('v')
+                .or_else(|| version.strip_prefix('d'))?;
             number.parse::<u32>().ok()?;
             bucket.strip_prefix('b')?.parse::<u32>().ok()?;
             post.parse().ok()

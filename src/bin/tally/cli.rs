@@ -52,6 +52,8 @@ pub enum Command {
     Verify(Box<ops::VerifyCommand>),
     /// Remove key generations older than the current one, after a grace period.
     Gc(ops::GcArgs),
+    /// Count a replaced log (topic recreated, broker back empty) from its start: resets its fences.
+    ResetFences(Box<ops::ResetFencesCommand>),
 }
 
 impl Command {

@@ -74,5 +74,6 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Rebuild(command) => ops::rebuild(sub, &command).await,
         Command::Verify(command) => ops::verify(sub, &command).await,
         Command::Gc(args) => ops::gc(&args).await,
+        Command::ResetFences(command) => ops::reset_fences(sub, &command).await,
     }
 }

@@ -94,6 +94,68 @@ pub struct VerifyCommand {
     run: RunArgs,
 }
 
+/// Settings of `tally reset-fences`: its own, and those it shares with `tally run`.
+#[derive(Args)]
+pub struct ResetFencesCommand {
+    /// Reset without asking (otherwise the topic's name is asked for on a terminal).
+    #[arg(long)]
+    pub yes: bool,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// `tally reset-fences`.
+pub async fn reset_fences(matches: &ArgMatches, command: &ResetFencesCommand) -> Result<()> {
+    use std::io::{BufRead, IsTerminal};
+    let settings = run_settings(matches)?;
+    let plan = tally::ops::reset::plan(&settings).await?;
+    let topic = &settings.kafka.topic;
+    println!(
+        "group {} on topic {topic}, generation {} ({}):",
+        settings.kafka.group, plan.generation, plan.prefix
+    );
+    println!(
+        "{:>9}  {:>14}  {:>12}  {:>12}  after the reset",
+        "partition", "fence", "log start", "log end"
+    );
+    for p in &plan.partitions {
+        println!(
+            "{:>9}  {:>14}  {:>12}  {:>12}  counted from {}{}",
+            p.partition,
+            p.fence.map_or("-".to_string(), |f| f.to_string()),
+            p.low,
+            p.high,
+            p.low,
+            if p.ahead() {
+                " (its fence is ahead of the log)"
+            } else {
+                ""
+            }
+        );
+    }
+    println!(
+        "Every partition's log is counted again from its start, on top of the stored counts. Stop every `tally run` of the group first."
+    );
+    if !command.yes {
+        let stdin = std::io::stdin();
+        if !stdin.is_terminal() {
+            bail!("refused: pass --yes to reset (standard input is not a terminal to confirm on)");
+        }
+        println!("Type the topic's name to reset its fences:");
+        let mut answer = String::new();
+        stdin.lock().read_line(&mut answer)?;
+        if answer.trim() != topic {
+            bail!("refused: the answer was not {topic}; nothing changed");
+        }
+    }
+    let written = tally::ops::reset::reset(&settings, &plan).await?;
+    println!(
+        "reset {} partitions ({written} keys); start `tally run` again",
+        plan.partitions.len()
+    );
+    Ok(())
+}
+
 /// `tally rebuild` (or `--abort`).
 pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<()> {
     let settings = run_settings(matches)?;

@@ -234,6 +234,13 @@ pub struct RunArgs {
     #[serde(skip)]
     pub test_script_pause_ms: u64,
 
+    /// Redis lost everything (no layout record, no fences) while the group has committed
+    /// offsets: count from those offsets anyway, accepting that every earlier like is lost.
+    /// For this one start; the alternative is `tally rebuild`.
+    #[arg(long, help_heading = REDIS)]
+    #[serde(skip)]
+    pub accept_lost_counts: bool,
+
     /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000. In the
     /// file, a [kafka-config] table. Commits, offset storage, auto.offset.reset and
     /// isolation.level stay tally's.
@@ -298,6 +305,7 @@ impl RunArgs {
             },
             metrics_addr: self.metrics_addr,
             test_script_pause: Duration::from_millis(self.test_script_pause_ms),
+            accept_lost_counts: self.accept_lost_counts,
         };
         problems.extend(settings.problems());
         if problems.is_empty() {

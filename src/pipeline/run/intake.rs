@@ -46,7 +46,17 @@ pub(super) struct Owned {
     pub(super) pending_seek: Option<i64>,
 }
 
-/// Applies ownership changes; `true` if there were any. Borrows only what
+/// What a batch of ownership changes did.
+#[derive(Debug, Default)]
+pub(super) struct Changed {
+    /// Whether there were any.
+    pub(super) any: bool,
+    /// Partitions newly owned whose fences are known, with the offset they
+    /// resume at: to be checked against their logs.
+    pub(super) resumed: Vec<(i32, i64)>,
+}
+
+/// Applies ownership changes. Borrows only what
 /// it changes, so it can run while a received message still borrows the
 /// consumer: the callback that queued the changes ran inside that very
 /// `recv()`, and the message may belong to a partition assigned by it.
@@ -56,8 +66,11 @@ pub(super) fn apply_changes(
     epochs: &mut u64,
     groups: usize,
     changes: Vec<Rebalanced>,
-) -> bool {
-    let any = !changes.is_empty();
+) -> Changed {
+    let mut changed = Changed {
+        any: !changes.is_empty(),
+        resumed: Vec::new(),
+    };
     for change in changes {
         match change {
             Rebalanced::Assigned(assignments) => {
@@ -65,6 +78,9 @@ pub(super) fn apply_changes(
                 for a in assignments {
                     *epochs += 1;
                     let known = a.fences.as_ref().and_then(PartitionFences::tracker);
+                    if let Some((_, tracker)) = &known {
+                        changed.resumed.push((a.partition, tracker.resume_at()));
+                    }
                     owned.insert(
                         a.partition,
                         Owned {
@@ -102,7 +118,7 @@ pub(super) fn apply_changes(
         metrics::assigned(owned.len());
         health::assigned(owned.len());
     }
-    any
+    changed
 }
 
 /// Adds one message to its partition's batch; `false` when it is not ours

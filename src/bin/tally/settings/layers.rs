@@ -135,6 +135,7 @@ fn merge(
         .map_err(|e: toml::de::Error| bad("config", e.message().to_string()))?;
     config.config = cli.config;
     config.test_script_pause_ms = cli.test_script_pause_ms;
+    config.accept_lost_counts = cli.accept_lost_counts;
     Ok(config)
 }
 

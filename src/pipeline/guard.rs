@@ -1,0 +1,253 @@
+//! Guard: what ordinary operations do to a deployment that no fence can see.
+//!
+//! The fences make every fault the suite injects harmless, but they describe
+//! a log and a store, and both can change under them without a fault:
+//!
+//! * an eviction policy of `allkeys-*` may drop a fence (the replay from the
+//!   origin doubles counts) or a counter (counts are lost);
+//! * a store that lost everything (no layout record, no origin, no pointer)
+//!   while the consumer group has committed offsets looks like a first start,
+//!   and would count from those offsets as if nothing came before them;
+//! * a log that is not the one the fences were built on: a topic deleted and
+//!   recreated, moved to another cluster, or a broker that came back empty
+//!   leaves a fence above the high watermark, and every new message below it
+//!   would be dropped as already applied;
+//! * retention that deleted offsets before tally applied them: their events
+//!   are gone from the log and can no longer be counted.
+//!
+//! Invariant: none of these passes silently. The first three stop the
+//! process before anything is written, with one line naming the fix; the
+//! last is logged with the range lost and counted in
+//! `tally_offsets_skipped_total{reason="retention"}`.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{Consumer, ConsumerContext};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use redis::RedisError;
+use tracing::warn;
+
+use crate::domain::placement::scan_nodes;
+use crate::infra::security::redact_url;
+use crate::infra::store::{Target, connect_blocking};
+
+/// How long a watermark or committed-offset query may take.
+const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A refusal: the deployment would double, drop or stall counts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GuardError {
+    /// Redis may evict tally's keys.
+    #[error(
+        "Redis at {node} has maxmemory-policy {policy}: it may evict a fence (the replay then counts events twice) or a counter (its likes are lost); set maxmemory-policy noeviction (or a volatile-* policy) in its configuration and with CONFIG SET, then start again"
+    )]
+    Eviction {
+        /// The node.
+        node: String,
+        /// Its policy.
+        policy: String,
+    },
+    /// The store holds nothing while the group says it counted.
+    #[error(
+        "Redis holds nothing under --prefix {prefix} (no layout record, no fences), but group {group} has committed offsets on {topic} ({committed}): --redis or --prefix names another store than before, or the store lost its data. Recount everything with `tally rebuild`, or accept the loss and count from the committed offsets with `tally run --accept-lost-counts` (once)"
+    )]
+    LostStore {
+        /// The base prefix.
+        prefix: String,
+        /// The consumer group.
+        group: String,
+        /// The topic.
+        topic: String,
+        /// `partition@offset` of the committed offsets, shortened.
+        committed: String,
+    },
+    /// A fence lies beyond the end of its partition's log.
+    #[error(
+        "topic {topic} partition {partition} ends at offset {high} but its fence says offset {fence} was applied: the log is not the one these counts were made from (topic recreated, moved, or a broker that came back empty). If it holds only new events, `tally reset-fences` counts it from its start on top of the stored counts; if it holds the old events again, run `tally reset-fences` and then `tally rebuild`"
+    )]
+    FenceAhead {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// The last offset the fences say was applied.
+        fence: i64,
+        /// The partition's high watermark (the next offset to be written).
+        high: i64,
+    },
+}
+
+/// Where a partition's resume offset lies in its log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFit {
+    /// Within the log, or at its end.
+    Fits,
+    /// Below the low watermark: offsets `from..=to` were deleted unapplied.
+    Trimmed {
+        /// First offset lost.
+        from: i64,
+        /// Last offset lost.
+        to: i64,
+    },
+    /// Beyond the high watermark: the fence is ahead of the log.
+    Ahead,
+}
+
+/// Where `resume` (the next offset to apply) lies in a log spanning
+/// `low..high` (high: the next offset to be written).
+pub fn fit(resume: i64, low: i64, high: i64) -> LogFit {
+    if resume > high {
+        LogFit::Ahead
+    } else if resume < low {
+        LogFit::Trimmed {
+            from: resume,
+            to: low - 1,
+        }
+    } else {
+        LogFit::Fits
+    }
+}
+
+/// Checks a newly owned partition's resume offset against its log: refuses
+/// a fence ahead of it, reports offsets retention deleted. A log whose
+/// watermarks cannot be read is logged and passed (the next assignment
+/// checks again).
+pub fn check_log<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    topic: &str,
+    partition: i32,
+    resume: i64,
+) -> Result<(), GuardError> {
+    let (low, high) = match consumer.fetch_watermarks(topic, partition, KAFKA_TIMEOUT) {
+        Ok(marks) => marks,
+        Err(error) => {
+            warn!(partition, %error, "Cannot read the partition's watermarks; its fence is not checked against the log.");
+            return Ok(());
+        }
+    };
+    match fit(resume, low, high) {
+        LogFit::Fits => Ok(()),
+        LogFit::Trimmed { from, to } => {
+            warn!(
+                partition,
+                from,
+                to,
+                "Offsets deleted by retention before tally applied them: their events are not counted."
+            );
+            crate::infra::metrics::offsets_skipped("retention", (to - from + 1) as u64);
+            Ok(())
+        }
+        LogFit::Ahead => Err(GuardError::FenceAhead {
+            topic: topic.to_string(),
+            partition,
+            fence: resume - 1,
+            high,
+        }),
+    }
+}
+
+/// Refuses a store whose eviction policy may drop tally's keys, on every
+/// primary. Where the policy cannot be read (CONFIG refused, as managed
+/// services do), says what tally requires and goes on.
+pub fn check_eviction(target: &Target) -> Result<(), GuardError> {
+    let nodes = match scan_nodes(target) {
+        Ok(nodes) => nodes,
+        Err(error) => {
+            unchecked(&shown(target), &error);
+            return Ok(());
+        }
+    };
+    for node in nodes {
+        let name = shown(&node);
+        let policy = connect_blocking(&node, Duration::from_secs(5)).and_then(|mut conn| {
+            let (_, policy): (String, String) = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory-policy")
+                .query(conn.as_mut())?;
+            Ok(policy)
+        });
+        match policy {
+            Ok(policy) if policy.starts_with("allkeys-") => {
+                return Err(GuardError::Eviction { node: name, policy });
+            }
+            Ok(_) => {}
+            Err(error) => unchecked(&name, &error),
+        }
+    }
+    Ok(())
+}
+
+/// A target's URLs without their passwords.
+fn shown(target: &Target) -> String {
+    target
+        .nodes()
+        .iter()
+        .map(|url| redact_url(url))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn unchecked(node: &str, error: &RedisError) {
+    warn!(
+        %node,
+        %error,
+        "Cannot read maxmemory-policy: tally requires noeviction or a volatile-* policy (an allkeys-* policy may evict fences and double counts, or counters and lose them); check it with your provider."
+    );
+}
+
+/// The group's committed offsets on `partitions` of `topic`, as
+/// `partition@offset` (at most five shown); empty when it has none.
+pub fn committed<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    topic: &str,
+    partitions: usize,
+) -> Result<Vec<String>, rdkafka::error::KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions as i32 {
+        tpl.add_partition(topic, p);
+    }
+    let found = consumer.committed_offsets(tpl, KAFKA_TIMEOUT)?;
+    Ok(found
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) if o > 0 => Some(format!("{}@{o}", e.partition())),
+            _ => None,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_offsets_are_placed_in_the_log() {
+        assert_eq!(fit(10, 0, 20), LogFit::Fits);
+        assert_eq!(fit(20, 0, 20), LogFit::Fits, "caught up");
+        assert_eq!(fit(0, 0, 0), LogFit::Fits, "empty log, first start");
+        assert_eq!(fit(21, 0, 20), LogFit::Ahead);
+        assert_eq!(fit(5, 0, 0), LogFit::Ahead, "a log that came back empty");
+        assert_eq!(fit(3, 8, 20), LogFit::Trimmed { from: 3, to: 7 });
+        assert_eq!(fit(8, 8, 20), LogFit::Fits);
+    }
+
+    #[test]
+    fn refusals_are_one_line_naming_the_fix() {
+        let ahead = GuardError::FenceAhead {
+            topic: "likes".into(),
+            partition: 3,
+            fence: 999,
+            high: 12,
+        }
+        .to_string();
+        assert!(ahead.contains("partition 3 ends at offset 12") && ahead.contains("offset 999"));
+        assert!(ahead.contains("tally reset-fences") && !ahead.contains('\n'));
+        let eviction = GuardError::Eviction {
+            node: "127.0.0.1:6379".into(),
+            policy: "allkeys-lru".into(),
+        }
+        .to_string();
+        assert!(eviction.contains("allkeys-lru") && eviction.contains("noeviction"));
+    }
+}

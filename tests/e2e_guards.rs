@@ -1,0 +1,294 @@
+//! What ordinary operations do under the fences, on a real broker and redis-server: each case
+//! is refused with one line naming the fix and writes nothing, and the fix, once applied, ends
+//! in exact counts.
+//!
+//! * a counter key holding a value INCRBY refuses: every restart is refused with the key named,
+//!   no increment is kept from the refused scripts, and once the key is fixed every count is
+//!   exact;
+//! * `maxmemory-policy allkeys-lru`: refused before anything is written;
+//! * Redis that lost everything while the group has committed offsets: refused, and with
+//!   `--accept-lost-counts` counted from those offsets;
+//! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
+//!   `tally reset-fences --yes` counts the new log on top of the stored counts.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+
+const PARTITIONS: i32 = 4;
+
+/// Counts `workload` with one `tally run` and stops it.
+fn count_all(run: &Scenario, conn: &mut redis::Connection, args: &[String], events: usize) {
+    let mut tally = Tally::spawn_args("tally", args);
+    run.wait_applied(conn, &run.hwms(events), Duration::from_secs(120), || {
+        tally.assert_running()
+    });
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+}
+
+/// Every key under `prefix` with its value (or its type, for a key that is not a string).
+fn snapshot(conn: &mut redis::Connection, prefix: &str) -> HashMap<String, String> {
+    scan_keys(conn, &format!("{prefix}:*"))
+        .into_iter()
+        .map(|key| {
+            let kind: String = redis::cmd("TYPE").arg(&key).query(conn).unwrap();
+            let value = if kind == "string" {
+                redis::cmd("GET").arg(&key).query(conn).unwrap()
+            } else {
+                kind
+            };
+            (key, value)
+        })
+        .collect()
+}
+
+fn merged(a: &HashMap<u64, i64>, b: &HashMap<u64, i64>) -> HashMap<u64, i64> {
+    let mut out = a.clone();
+    for (&post, &n) in b {
+        *out.entry(post).or_insert(0) += n;
+    }
+    out
+}
+
+#[test]
+fn a_key_incrby_refuses_stops_the_partition_without_writing() {
+    let run = Scenario::new("e2e_guards_key", "badkey", 1);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let mut args = run.tally_args(&redis.url());
+    // No hot-post detection: its heat keys would change between the refused starts.
+    args.extend(["--promote-above", "0"].map(String::from));
+    let first = Workload::generate(run.seed, 3_000, 1);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    count_all(&run, &mut conn, &args, first.events.len());
+
+    // The key of the second wave's first event is broken by hand, as a foreign writer or a typo
+    // in redis-cli would: every batch a start sends first holds it.
+    let second = Workload::generate(run.seed ^ 0xbad, 3_000, 1);
+    let event =
+        <tally::domain::proto::LikeEvent as prost::Message>::decode(&second.events[0].1[..])
+            .expect("a LikeEvent");
+    let bucket = tally::domain::routing::bucket_of(event.user_id, 16);
+    let broken = format!("{}:likes:{}:{bucket}", run.prefix, event.post_id);
+    let kept: Option<String> = redis::cmd("GET").arg(&broken).query(&mut conn).unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&broken)
+        .arg("x")
+        .query(&mut conn)
+        .unwrap();
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let mut last = None;
+    for attempt in 1..=3 {
+        let line = error_line(&run_refused(&args));
+        assert!(
+            line.contains(&format!(
+                "counter key {broken} holds a value Redis cannot add to"
+            )) && line.contains("nothing was written"),
+            "attempt {attempt}: {line}"
+        );
+        // Nothing of the refused batch is kept, whichever start sends it.
+        let now = snapshot(&mut conn, &run.prefix);
+        if let Some(before) = &last {
+            assert_eq!(&now, before, "attempt {attempt} changed keys");
+        }
+        last = Some(now);
+    }
+    match kept {
+        Some(value) => redis::cmd("SET")
+            .arg(&broken)
+            .arg(value)
+            .query::<()>(&mut conn),
+        None => redis::cmd("DEL").arg(&broken).query::<()>(&mut conn),
+    }
+    .unwrap();
+    let total = first.events.len() + second.events.len();
+    count_all(&run, &mut conn, &args, total);
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
+
+#[test]
+fn an_eviction_policy_that_may_drop_keys_is_refused() {
+    let run = Scenario::new("e2e_guards_eviction", "evict", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let policy = |conn: &mut redis::Connection, p: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(p)
+            .query(conn)
+            .unwrap();
+    };
+    policy(&mut conn, "allkeys-lru");
+    let args = run.tally_args(&redis.url());
+    let line = refusal_line(&run_refused(&args));
+    assert!(
+        line.contains("has maxmemory-policy allkeys-lru") && line.contains("noeviction"),
+        "{line}"
+    );
+    assert!(
+        snapshot(&mut conn, &run.prefix).is_empty(),
+        "nothing written"
+    );
+    policy(&mut conn, "volatile-lru");
+    count_all(&run, &mut conn, &args, w.events.len());
+    run.assert_exact(&mut conn, &w.truth);
+}
+
+/// The group's committed offsets, per partition (0 where none).
+fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &run.brokers)
+        .set("group.id", &run.group)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(&run.topic, p);
+    }
+    let found = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .unwrap();
+    (0..partitions)
+        .map(
+            |p| match found.find_partition(&run.topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => 0,
+            },
+        )
+        .collect()
+}
+
+#[test]
+fn a_store_that_lost_everything_is_refused_until_the_loss_is_accepted() {
+    let run = Scenario::new("e2e_guards_lost", "lost", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let args = run.tally_args(&redis.url());
+    let first = Workload::generate(run.seed, 3_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    count_all(&run, &mut conn, &args, first.events.len());
+    let hwms = run.hwms(first.events.len());
+    wait_for("the group's commits", Duration::from_secs(30), || {
+        (committed(&run, PARTITIONS) == hwms).then_some(())
+    });
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    let second = Workload::generate(run.seed ^ 0x1057, 1_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let line = refusal_line(&run_refused(&args));
+    assert!(
+        line.contains(&format!(
+            "group {} has committed offsets on {}",
+            run.group, run.topic
+        )) && line.contains("tally rebuild")
+            && line.contains("--accept-lost-counts"),
+        "{line}"
+    );
+    assert!(
+        snapshot(&mut conn, &run.prefix).is_empty(),
+        "nothing written"
+    );
+
+    // Accepted once: the second wave is counted, the first is gone for good; later starts
+    // need no flag.
+    let mut accepted = args.clone();
+    accepted.push("--accept-lost-counts".into());
+    let total = first.events.len() + second.events.len();
+    count_all(&run, &mut conn, &accepted, total);
+    run.assert_exact(&mut conn, &second.truth);
+    count_all(&run, &mut conn, &args, total);
+    run.assert_exact(&mut conn, &second.truth);
+}
+
+#[test]
+fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let old = Broker::start_private();
+    let run = Scenario::on(old.addr(), "e2e_guards_empty", "empty", PARTITIONS);
+    let args = run.tally_args(&redis.url());
+    let first = Workload::generate(run.seed, 4_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    count_all(&run, &mut conn, &args, first.events.len());
+    drop(old);
+
+    // The same topic on a broker that holds nothing: its log is shorter than the fences.
+    let new = Broker::start_private();
+    create_topic_on(new.addr(), &run.topic, PARTITIONS);
+    let second = Workload::generate(run.seed ^ 0xe3, 400, PARTITIONS);
+    produce(
+        new.addr(),
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let moved = Scenario {
+        brokers: new.addr().to_string(),
+        ..run
+    };
+    let args = moved.tally_args(&redis.url());
+    let before = snapshot(&mut conn, &moved.prefix);
+    let line = error_line(&run_refused(&args));
+    assert!(
+        line.contains(&format!("topic {} partition ", moved.topic))
+            && line.contains("but its fence says offset")
+            && line.contains("tally reset-fences"),
+        "{line}"
+    );
+    assert_eq!(
+        snapshot(&mut conn, &moved.prefix),
+        before,
+        "nothing written"
+    );
+
+    let mut reset = vec!["reset-fences".to_string(), "--yes".to_string()];
+    reset.extend(args.iter().cloned());
+    let reset: Vec<&str> = reset.iter().map(String::as_str).collect();
+    let out = tally_cli(&reset);
+    assert!(out.status.success(), "reset-fences: {}", output_text(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("its fence is ahead of the log"), "{text}");
+    let refused = tally_cli(
+        &reset[..1]
+            .iter()
+            .chain(&reset[2..])
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        !refused.status.success() && output_text(&refused).contains("pass --yes"),
+        "without --yes and without a terminal: {}",
+        output_text(&refused)
+    );
+
+    count_all(&moved, &mut conn, &args, second.events.len());
+    moved.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
