@@ -84,7 +84,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         BAD_MESSAGES,
         Kind::Counter,
-        "Bad messages skipped, by reason.",
+        "Bad messages skipped, by reason (empty, undecodable, post_id_zero, action_unspecified, action_unknown).",
     ),
     (
         DEAD_LETTERS,
@@ -99,7 +99,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         SCRIPTS,
         Kind::Counter,
-        "Lua script replies, by outcome (applied, duplicate, straddle, gap).",
+        "Lua script replies, by outcome (applied, duplicate, straddle, gap; refused: a counter key refused its increment and nothing was written).",
     ),
     (SCRIPT_KEYS, Kind::Histogram, "Counter keys per script."),
     (
@@ -167,7 +167,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         OFFSETS_SKIPPED,
         Kind::Counter,
-        "Offsets never applied because they left the log first, by reason.",
+        "Offsets never applied because they left the log first, by reason (retention: deleted before tally applied them).",
     ),
     (
         ROUTED_POSTS,

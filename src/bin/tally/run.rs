@@ -24,6 +24,8 @@ pub enum Docs {
     HashVectors,
     /// Every setting of `tally run`, as docs/settings.md's markdown table.
     Config,
+    /// Every metric tally exports, as docs/operations.md's markdown table.
+    Metrics,
 }
 
 /// The settings `matches` name with their variables and file, checked,
@@ -83,7 +85,23 @@ pub fn docs(docs: Docs) {
     match docs {
         Docs::HashVectors => print!("{}", hash_vectors_table()),
         Docs::Config => print!("{}", settings::show::settings_table()),
+        Docs::Metrics => print!("{}", metrics_table()),
     }
+}
+
+/// docs/operations.md's table of metrics, printed by `tally docs metrics`.
+fn metrics_table() -> String {
+    use tally::infra::metrics::{ALL, Kind};
+    let mut table = String::from("| metric | kind | meaning |\n|---|---|---|\n");
+    for &(name, kind, help) in ALL {
+        let kind = match kind {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        };
+        let _ = writeln!(table, "| `{name}` | {kind} | {help} |");
+    }
+    table
 }
 
 /// docs/design.md's table of stable-hash test vectors, printed by `tally docs hash-vectors`.
@@ -112,6 +130,15 @@ mod tests {
         assert!(
             design.contains(&hash_vectors_table()),
             "docs/design.md's hash table is stale; regenerate it with `tally docs hash-vectors`"
+        );
+    }
+
+    #[test]
+    fn the_operations_document_lists_every_metric() {
+        let operations = include_str!("../../../docs/operations.md");
+        assert!(
+            operations.contains(&metrics_table()),
+            "docs/operations.md's metrics table is stale; regenerate it with `tally docs metrics`"
         );
     }
 }
