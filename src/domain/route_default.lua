@@ -9,8 +9,8 @@
 --
 -- The field is "epoch:buckets:effective_ms" items joined by ";", oldest first,
 -- in the format of a post's entry; it only ever grows, and effective times
--- strictly increase. Nothing is added when the newest epoch already has
--- ARGV[3] buckets.
+-- strictly increase, and come after the registry's "final" time. Nothing is
+-- added when the newest epoch already has ARGV[3] buckets.
 -- Returns {added (0 or 1), now_ms, entry}.
 
 local now = redis.call('TIME')
@@ -27,6 +27,11 @@ if tonumber(last_buckets) == tonumber(ARGV[3]) then
   return {0, now_ms, entry}
 end
 local effective = now_ms + tonumber(ARGV[4])
+-- Never at or before a time routing was made final for (route_fetch.lua).
+local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
+if effective <= final then
+  effective = final + 1
+end
 if effective <= tonumber(last_effective) then
   effective = tonumber(last_effective) + 1
 end

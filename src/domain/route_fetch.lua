@@ -1,12 +1,22 @@
--- route_fetch.lua: read the writers' registry together with this server's clock.
+-- route_fetch.lua: read the writers' registry together with this server's clock,
+-- optionally making routing final up to a time first.
 --
 -- KEYS[1]  the registry hash <prefix>:routes
--- Returns {now_ms, post1, entry1, post2, entry2, ...}; the clock and the
--- entries come from one atomic read, so every version published after it is
--- effective later than now_ms + grace.
+-- ARGV[1]  optional: raise the registry's "final" field to at least this time
+--          (milliseconds since the epoch); publications from then on take effect
+--          only after it
+-- Returns {now_ms, field1, value1, field2, value2, ...}; the clock, the raise and
+-- the entries are one atomic step, so every version published after it is
+-- effective later than both now_ms + grace and the final time.
 
 local now = redis.call('TIME')
 local reply = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)}
+if ARGV[1] then
+  local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
+  if final < tonumber(ARGV[1]) then
+    redis.call('HSET', KEYS[1], 'final', ARGV[1])
+  end
+end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all do
   reply[i + 1] = all[i]

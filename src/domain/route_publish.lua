@@ -13,7 +13,8 @@
 --          post's latest count while it has no version of its own
 --
 -- An entry is "version:buckets:effective_ms" items joined by ";", oldest first;
--- it only ever grows, and effective times strictly increase.
+-- it only ever grows, and effective times strictly increase. A version takes
+-- effect after the registry's "final" time too.
 -- Returns {published (0 or 1), entry}.
 
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
@@ -39,6 +40,11 @@ end
 
 local now = redis.call('TIME')
 local effective = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[4])
+-- Never at or before a time routing was made final for (route_fetch.lua).
+local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
+if effective <= final then
+  effective = final + 1
+end
 if effective <= last_effective then
   effective = last_effective + 1
 end

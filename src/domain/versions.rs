@@ -40,6 +40,38 @@
 //! Readers give up and start again when their two steps take longer than
 //! [`READ_DEADLINE`], which is well inside that window.
 //!
+//! # Events stamped ahead: routing made final, never waited for
+//!
+//! A writer holding a registry read from time `F` can route events stamped
+//! before `F + AHEAD_MS` (invariant 1). An event stamped later, a producer
+//! whose clock runs fast, would have to wait until the registry clock
+//! reaches its time: a day for a clock a day fast, with its partition (and
+//! the group's poll loop) stalled meanwhile. Instead:
+//!
+//! * On a single server nothing waits: every event of a batch lands under
+//!   one fence in one script, so a batch is applied whole or not at all, and
+//!   a replay, whatever routes it takes, never finds part of it applied.
+//! * On a cluster the writer makes routing **final** up to the event's time:
+//!   one script raises the registry's field `final` to it and reads the
+//!   registry in the same step. Publications take effect after `final` as
+//!   well as after `now + GRACE_MS` (route_publish.lua, route_default.lua),
+//!   so no version published from then on covers the event, and the table
+//!   read with the raise holds every version that does. The event's route
+//!   is thereby fixed for good: on every replay and in a rebuild of the same
+//!   registry it routes the same way. The price is that versions published
+//!   before that time take effect only after it; how far ahead `final` lies
+//!   is the gauge `tally_routing_final_ahead_seconds`, and a raise of more
+//!   than a minute is logged.
+//! * Events stamped past 2100 are no clock at all (a producer stamping
+//!   microseconds reaches the year 55,000): they are dead-lettered as
+//!   `timestamp_out_of_range`, a rule of the event alone, before routing
+//!   ([`crate::pipeline::decode::MAX_TIMESTAMP_MS`]).
+//!
+//! Such an event may write a version sooner than `GRACE_MS - AHEAD_MS`
+//! after its publication, so a reader whose two steps straddle the
+//! publication can miss that one like for the length of one read; counts
+//! are never wrong, and the next read has it.
+//!
 //! # Demotion
 //!
 //! A demotion is a version with fewer buckets; the old version's keys stay
@@ -107,6 +139,10 @@ static REBUCKET: Lua = Lua::new(include_str!("route_default.lua"));
 
 /// The registry field that holds the default layout's epochs.
 pub const DEFAULT_FIELD: &str = "default";
+/// The registry field up to which routing is final (milliseconds since the epoch).
+pub const FINAL_FIELD: &str = "final";
+/// Raising the final time further than this ahead of the registry clock is logged.
+const FINAL_WARN_MS: i64 = 60_000;
 
 /// One routing version of a post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,6 +284,9 @@ pub struct RouteTable {
     /// Registry clock at the read (milliseconds since the epoch).
     fetched_ms: i64,
     fetched_at: Instant,
+    /// Routing is final for events stamped up to this time (the registry's
+    /// `final` field; see the module doc).
+    final_ms: i64,
 }
 
 impl RouteTable {
@@ -265,7 +304,18 @@ impl RouteTable {
                 .collect(),
             fetched_ms,
             fetched_at: Instant::now(),
+            final_ms: 0,
         }
+    }
+
+    /// The same table, final for events stamped up to `final_ms`.
+    pub fn with_final(self, final_ms: i64) -> Self {
+        Self { final_ms, ..self }
+    }
+
+    /// Up to when routing is final (0: never raised).
+    pub fn final_ms(&self) -> i64 {
+        self.final_ms
     }
 
     /// The version an event of `post_id` stamped `timestamp_ms` goes to: the
@@ -317,7 +367,7 @@ impl RouteTable {
     /// Whether an event stamped `timestamp_ms` can be routed with this table.
     pub fn readiness(&self, timestamp_ms: i64) -> Readiness {
         // The common case, an event stamped before the read, costs no clock call.
-        if timestamp_ms < self.fetched_ms + AHEAD_MS {
+        if timestamp_ms < self.fetched_ms + AHEAD_MS || timestamp_ms <= self.final_ms {
             return Readiness::Ready;
         }
         if timestamp_ms >= self.fetched_ms + GRACE_MS {
@@ -463,8 +513,36 @@ impl Routes {
 
     /// Reads the registry and the registry server's clock.
     pub async fn fetch(&self) -> Result<RouteTable, RedisError> {
+        self.fetch_raising(None).await
+    }
+
+    /// Makes routing final for events stamped up to `timestamp_ms` and
+    /// [`GRACE_MS`] beyond (no version published from now on takes effect at
+    /// or before that), and
+    /// reads the registry in the same step: the table returned routes such
+    /// an event for good.
+    pub async fn finalize(&self, timestamp_ms: i64) -> Result<RouteTable, RedisError> {
+        // With headroom: a producer whose clock runs a little fast then costs
+        // one raise per GRACE_MS, not one per event.
+        let table = self
+            .fetch_raising(Some(timestamp_ms.saturating_add(GRACE_MS)))
+            .await?;
+        let ahead_ms = table.final_ms - table.fetched_ms;
+        if ahead_ms > FINAL_WARN_MS {
+            warn!(
+                timestamp_ms,
+                ahead_secs = ahead_ms / 1000,
+                "Event stamped ahead of the registry clock: routing is now final up to its time, and routing versions published before then take effect only after it."
+            );
+        }
+        Ok(table)
+    }
+
+    async fn fetch_raising(&self, raise_to: Option<i64>) -> Result<RouteTable, RedisError> {
         let registry = self.keys.registry_key();
-        let reply: Vec<redis::Value> = FETCH.call(&self.store, &[&registry], &[]).await?;
+        let raise = raise_to.map(|ts| ts.to_string());
+        let args: Vec<&str> = raise.iter().map(String::as_str).collect();
+        let reply: Vec<redis::Value> = FETCH.call(&self.store, &[&registry], &args).await?;
         let mut items = reply.into_iter();
         let now: i64 = redis::from_redis_value(items.next().unwrap_or(redis::Value::Nil))?;
         let rest: Vec<String> = items
@@ -472,9 +550,14 @@ impl Routes {
             .collect::<Result<_, _>>()?;
         let mut posts = Vec::with_capacity(rest.len() / 2);
         let mut defaults = None;
+        let mut final_ms = 0;
         for pair in rest.chunks_exact(2) {
             if pair[0] == DEFAULT_FIELD {
                 defaults = Some(self.defaults_of(Some(&pair[1]))?);
+                continue;
+            }
+            if pair[0] == FINAL_FIELD {
+                final_ms = pair[1].parse().unwrap_or(0);
                 continue;
             }
             match (pair[0].parse::<u64>(), parse_entry(&pair[1])) {
@@ -483,7 +566,8 @@ impl Routes {
             }
         }
         let defaults = defaults.unwrap_or_else(|| Defaults::fixed(self.epoch0));
-        Ok(RouteTable::new(defaults, now, posts))
+        crate::infra::metrics::routing_final_ahead(final_ms - now);
+        Ok(RouteTable::new(defaults, now, posts).with_final(final_ms))
     }
 
     fn defaults_of(&self, entry: Option<&str>) -> Result<Defaults, RedisError> {
@@ -617,6 +701,7 @@ pub fn wall_ms() -> i64 {
 pub struct RouteWatch {
     table: watch::Receiver<Arc<RouteTable>>,
     wake: Arc<Notify>,
+    routes: Routes,
 }
 
 impl RouteWatch {
@@ -631,6 +716,7 @@ impl RouteWatch {
         let (send, table) = watch::channel(Arc::new(first));
         let wake = Arc::new(Notify::new());
         let woken = wake.clone();
+        let watched = routes.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
@@ -649,7 +735,11 @@ impl RouteWatch {
                 }
             }
         });
-        Ok(Self { table, wake })
+        Ok(Self {
+            table,
+            wake,
+            routes: watched,
+        })
     }
 
     /// The newest table.
@@ -662,30 +752,26 @@ impl RouteWatch {
         self.wake.notify_one();
     }
 
-    /// Waits until an event stamped `timestamp_ms` can be routed, and
-    /// returns the table to route it with.
-    pub async fn ready_for(&mut self, timestamp_ms: i64) -> Arc<RouteTable> {
-        let mut warned = false;
+    /// The table to route an event stamped `timestamp_ms` with. An event
+    /// stamped ahead of this table's reach is never waited for: on a
+    /// cluster the registry is made final up to its time first (see the
+    /// module doc); on a single server, where a batch applies all or nothing
+    /// under one fence, it is routed with the newest table as it is.
+    pub async fn route_for(&mut self, timestamp_ms: i64, cluster: bool) -> Arc<RouteTable> {
+        let table = self.current();
+        if table.readiness(timestamp_ms) == Readiness::Ready {
+            return table;
+        }
+        crate::infra::metrics::future_event();
+        if !cluster {
+            return table;
+        }
         loop {
-            let table = self.current();
-            match table.readiness(timestamp_ms) {
-                Readiness::Ready => return table,
-                Readiness::Refresh => {
-                    self.refresh_soon();
-                    let _ = tokio::time::timeout(Duration::from_millis(200), self.table.changed())
-                        .await;
-                }
-                Readiness::Wait(wait) => {
-                    if !warned && wait > Duration::from_secs(1) {
-                        warn!(
-                            timestamp_ms,
-                            wait_ms = wait.as_millis() as u64,
-                            "Event stamped ahead of the clock; holding it until its time."
-                        );
-                        warned = true;
-                    }
-                    crate::infra::metrics::route_wait();
-                    tokio::time::sleep(wait.min(Duration::from_millis(500))).await;
+            match self.routes.finalize(timestamp_ms).await {
+                Ok(table) => return Arc::new(table),
+                Err(error) => {
+                    warn!(timestamp_ms, %error, "Making routing final for an event stamped ahead failed; retrying.");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
         }
@@ -743,6 +829,18 @@ mod tests {
             Readiness::Wait(wait) => assert!(wait <= Duration::from_millis(1_000), "{wait:?}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_final_registry_routes_events_stamped_up_to_its_time() {
+        let table = RouteTable::new(Defaults::fixed(16), 100_000, []);
+        assert_eq!(table.readiness(100_000 + 86_400_000), Readiness::Refresh);
+        let finalized = table.with_final(100_000 + 86_400_000);
+        assert_eq!(finalized.readiness(100_000 + 86_400_000), Readiness::Ready);
+        assert_eq!(
+            finalized.readiness(100_000 + 86_400_001),
+            Readiness::Refresh
+        );
     }
 
     #[test]

@@ -63,9 +63,11 @@ pub const OFFSETS_SKIPPED: &str = "tally_offsets_skipped_total";
 
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
-/// Pauses taken before routing an event stamped ahead of the registry clock,
-/// or while the registry view was too old for it.
-pub const ROUTE_WAITS: &str = "tally_route_waits_total";
+/// Events stamped ahead of what the registry view covers, routed without
+/// waiting (on a cluster, after making routing final up to them).
+pub const FUTURE_EVENTS: &str = "tally_future_events_total";
+/// How far ahead of the registry clock routing is final (seconds; 0 when not).
+pub const ROUTING_FINAL_AHEAD: &str = "tally_routing_final_ahead_seconds";
 
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +86,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         BAD_MESSAGES,
         Kind::Counter,
-        "Bad messages skipped, by reason (empty, undecodable, post_id_zero, action_unspecified, action_unknown).",
+        "Bad messages skipped, by reason (empty, undecodable, post_id_zero, action_unspecified, action_unknown, timestamp_out_of_range).",
     ),
     (
         DEAD_LETTERS,
@@ -175,9 +177,14 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Posts with routing metadata in this consumer's view of the registry.",
     ),
     (
-        ROUTE_WAITS,
+        FUTURE_EVENTS,
         Kind::Counter,
-        "Pauses before routing an event stamped ahead of the registry clock.",
+        "Events stamped ahead of the registry clock, routed without waiting (on a cluster, after making routing final up to them).",
+    ),
+    (
+        ROUTING_FINAL_AHEAD,
+        Kind::Gauge,
+        "How far ahead of the registry clock routing is final, in seconds: new routing versions take effect only after it.",
     ),
 ];
 
@@ -214,7 +221,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         SCRIPT_RELOADS,
         RESYNCS,
         COMMIT_FAILURES,
-        ROUTE_WAITS,
+        FUTURE_EVENTS,
         READ_CACHE_HITS,
         READ_CACHE_MISSES,
         REBALANCES,
@@ -226,6 +233,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     gauge!(ROUTED_POSTS).set(0.0);
+    gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
 
@@ -270,6 +278,11 @@ pub fn script_refused() {
 /// Records offsets that left the log before they were applied.
 pub fn offsets_skipped(reason: &'static str, offsets: u64) {
     counter!(OFFSETS_SKIPPED, "reason" => reason).increment(offsets);
+}
+
+/// Records how far ahead of the registry clock routing is final.
+pub fn routing_final_ahead(ms: i64) {
+    gauge!(ROUTING_FINAL_AHEAD).set(ms.max(0) as f64 / 1000.0);
 }
 
 /// Records a NOSCRIPT reload.
@@ -317,9 +330,9 @@ pub fn routed_posts(posts: usize) {
     gauge!(ROUTED_POSTS).set(posts as f64);
 }
 
-/// Records a pause before routing an event.
-pub fn route_wait() {
-    counter!(ROUTE_WAITS).increment(1);
+/// Records an event stamped ahead of the registry view, routed without waiting.
+pub fn future_event() {
+    counter!(FUTURE_EVENTS).increment(1);
 }
 
 /// Records reads served from the cache (`hit`) or fetched.

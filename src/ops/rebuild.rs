@@ -72,7 +72,7 @@ use tracing::{info, warn};
 use crate::domain::generation::{self, Record};
 use crate::domain::layout::OpenStore;
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::{DEFAULT_FIELD, wall_ms};
+use crate::domain::versions::{DEFAULT_FIELD, FINAL_FIELD, wall_ms};
 use crate::infra::config::RunSettings;
 use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
@@ -179,11 +179,11 @@ async fn copy_routing(
         })
         .await?;
     for (field, entry) in &registry {
-        // The default layout's epochs need no route hash: readers read them
-        // from the registry itself.
+        // The default layout's epochs and the final time need no route
+        // hash: they live in the registry alone.
         if let Ok(post) = field.parse::<u64>() {
             copy_route_hash(store, from.route_key(post), to.route_key(post)).await?;
-        } else if field != DEFAULT_FIELD {
+        } else if field != DEFAULT_FIELD && field != FINAL_FIELD {
             continue;
         }
         let registry = to.registry_key();

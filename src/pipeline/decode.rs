@@ -34,16 +34,33 @@ pub enum BadReason {
     ActionUnspecified,
     /// `action` is a number the schema does not define.
     ActionUnknown,
+    /// The Kafka timestamp lies past [`MAX_TIMESTAMP_MS`]: no real clock
+    /// (a producer stamping microseconds lands in the year 55,000).
+    TimestampOutOfRange,
+}
+
+/// 2100-01-01T00:00:00Z. An event stamped later is dead-lettered by this
+/// fixed rule, the same on every replay and in every rebuild, instead of
+/// making routing final for centuries (see [`crate::domain::versions`]).
+pub const MAX_TIMESTAMP_MS: i64 = 4_102_444_800_000;
+
+/// Checks the Kafka timestamp an event is routed by.
+pub fn check_timestamp(timestamp_ms: i64) -> Result<(), BadReason> {
+    if timestamp_ms > MAX_TIMESTAMP_MS {
+        return Err(BadReason::TimestampOutOfRange);
+    }
+    Ok(())
 }
 
 impl BadReason {
     /// Every reason, for pre-registering metrics.
-    pub const ALL: [BadReason; 5] = [
+    pub const ALL: [BadReason; 6] = [
         BadReason::Empty,
         BadReason::Undecodable,
         BadReason::PostIdZero,
         BadReason::ActionUnspecified,
         BadReason::ActionUnknown,
+        BadReason::TimestampOutOfRange,
     ];
 
     /// The stable name used in metrics, logs and dead-letter headers.
@@ -54,6 +71,7 @@ impl BadReason {
             BadReason::PostIdZero => "post_id_zero",
             BadReason::ActionUnspecified => "action_unspecified",
             BadReason::ActionUnknown => "action_unknown",
+            BadReason::TimestampOutOfRange => "timestamp_out_of_range",
         }
     }
 }

@@ -489,7 +489,8 @@ impl Pipeline {
                             let partition = message.partition();
                             let timestamp = message.timestamp().to_millis().unwrap_or(0);
                             if self.table.readiness(timestamp) != Readiness::Ready {
-                                self.table = self.watch.ready_for(timestamp).await;
+                                let cluster = self.applier.keys().groups().is_cluster();
+                                self.table = self.watch.route_for(timestamp, cluster).await;
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;

@@ -306,6 +306,31 @@ pub fn produce(
     counts
 }
 
+/// Produces one message to `partition` with the Kafka timestamp `timestamp_ms` (a producer
+/// whose clock is off); returns its offset.
+pub fn produce_stamped(
+    brokers: &str,
+    topic: &str,
+    partition: i32,
+    value: &[u8],
+    timestamp_ms: i64,
+) -> i64 {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+        .expect("create producer");
+    let record = FutureRecord::<(), _>::to(topic)
+        .payload(value)
+        .partition(partition)
+        .timestamp(timestamp_ms);
+    match futures::executor::block_on(producer.send(record, Duration::from_secs(30))) {
+        Ok(delivery) => delivery.offset,
+        Err((e, _)) => panic!("delivery to {topic} failed: {e}"),
+    }
+}
+
 /// Like `produce`, but returns the (partition, offset) of every message, in input order.
 ///
 /// Every record batch holds exactly one message (`batch.num.messages=1`): Tansu 0.6 answers a

@@ -20,7 +20,7 @@ use crate::pipeline::aggregate::Batch;
 use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::Rebalanced;
 use crate::pipeline::dead_letter::{DeadLetter, DeadLetters, Pending};
-use crate::pipeline::decode::decode;
+use crate::pipeline::decode::{check_timestamp, decode};
 
 /// A partition this consumer owns.
 pub(super) struct Owned {
@@ -140,7 +140,7 @@ pub(super) fn accept(
         return false;
     }
     let start = state.next.unwrap_or(offset);
-    match decode(message.payload()) {
+    match decode(message.payload()).and_then(|like| check_timestamp(timestamp).map(|()| like)) {
         Ok(like) => {
             let id = routes.counter(like.post_id, like.user_id, timestamp);
             let already_in = state.known.as_ref().is_some_and(|(_, t)| {
