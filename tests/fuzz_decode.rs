@@ -5,6 +5,9 @@
 //! * Structured messages (known and unknown fields of every wire type, repeated fields,
 //!   non-minimal varints, known fields with the wrong wire type) get the verdict an independent
 //!   model of proto3 decoding predicts.
+//! * The same messages in Confluent Schema Registry framing (magic byte 0, a schema id, the
+//!   message-index list `[0]` in either of its forms) get the same verdict, and framings of
+//!   arbitrary bytes never panic.
 //! * Structurally mutated messages (bits flipped, bytes cut, inserted and removed, lengths
 //!   claiming up to 2^64 bytes) never panic, and decoding them all does not grow the peak RSS
 //!   of the process by more than [`PEAK_GROWTH_KIB`]: nothing is allocated by a claimed length.
@@ -247,6 +250,38 @@ fn the_decoder_survives_hostile_bytes() {
         .run(&proptest::collection::vec(field(), 0..12), |fields| {
             let bytes = encode(&fields);
             prop_assert_eq!(decode(Some(&bytes)), model(&fields), "bytes {:02x?}", bytes);
+            Ok(())
+        })
+        .unwrap();
+
+    runner()
+        .run(
+            &(
+                proptest::collection::vec(field(), 0..12),
+                any::<u32>(),
+                any::<bool>(),
+            ),
+            |(fields, id, long_form)| {
+                let mut bytes = vec![0];
+                bytes.extend(id.to_be_bytes());
+                bytes.extend(if long_form {
+                    &[0x02, 0x00][..]
+                } else {
+                    &[0x00]
+                });
+                bytes.extend(encode(&fields));
+                prop_assert_eq!(decode(Some(&bytes)), model(&fields), "bytes {:02x?}", bytes);
+                Ok(())
+            },
+        )
+        .unwrap();
+
+    runner()
+        .run(&proptest::collection::vec(any::<u8>(), 0..64), |tail| {
+            let mut bytes = vec![0];
+            bytes.extend(tail);
+            let verdict = decode(Some(&bytes));
+            prop_assert_eq!(verdict, decode(Some(&bytes)));
             Ok(())
         })
         .unwrap();

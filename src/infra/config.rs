@@ -55,6 +55,9 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 8;
 /// Default wait for in-flight batches at shutdown (seconds).
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 10;
 
+/// The largest Schema Registry id: ids are positive signed 32-bit integers.
+pub const MAX_SCHEMA_ID: u32 = i32::MAX as u32;
+
 /// librdkafka's own default `session.timeout.ms`.
 const KAFKA_SESSION_TIMEOUT_MS: u64 = 45_000;
 
@@ -597,6 +600,9 @@ pub struct RunSettings {
     /// nothing (see [`crate::pipeline::guard`]); a one-off decision, never
     /// read from a file or the environment.
     pub accept_lost_counts: bool,
+    /// The Schema Registry ids a framed value may carry; empty accepts any
+    /// (see [`crate::pipeline::decode`]).
+    pub schema_ids: Vec<u32>,
 }
 
 impl RunSettings {
@@ -650,6 +656,13 @@ impl RunSettings {
             self.batching.max_in_flight != 0,
             "max-in-flight",
             "must be at least 1",
+        );
+        check(
+            self.schema_ids
+                .iter()
+                .all(|&id| (1..=MAX_SCHEMA_ID).contains(&id)),
+            "schema-ids",
+            "each id must be between 1 and 2147483647 (Schema Registry ids are positive 32-bit integers)",
         );
         problems.extend(self.kafka.problems());
         problems

@@ -4,10 +4,31 @@
 //! verdict, so a bad message is bad forever: redelivery cannot fix it, and the
 //! caller may count it, dead-letter it and move on without stalling the partition.
 //! Decoding allocates nothing: `LikeEvent` has only scalar fields.
+//!
+//! # Two forms of a value
+//! - Plain protobuf: the bytes of one `LikeEvent`.
+//! - Confluent Schema Registry framing, as its serializers write it: a magic
+//!   byte 0, the schema id as 4 bytes big-endian, the message-index list, then
+//!   the protobuf. The list says which message of the registered schema
+//!   follows: zig-zag varints, a count and that many indexes, with the common
+//!   list `[0]` written as the single byte 0. `LikeEvent` is the first message
+//!   of `like_event.proto`, so `[0]` (written either way) is the only list
+//!   accepted.
+//!
+//! Telling the two apart is unambiguous: a protobuf message starts with a tag,
+//! `field_number << 3 | wire_type`, and field numbers start at 1, so its first
+//! byte is never 0 (a leading 0 is field number 0, which no protobuf decoder
+//! accepts). An empty value is plain protobuf: a `LikeEvent` of defaults.
+//!
+//! A [`Decoder`] may check the schema id against a list of allowed ids
+//! (`--schema-ids`); without one every id is accepted.
 
 use prost::Message as _;
 
 use crate::domain::proto::{Action, LikeEvent};
+
+/// The magic byte that opens a Schema Registry framed value.
+pub const MAGIC_BYTE: u8 = 0;
 
 /// A like or unlike that passed validation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +58,14 @@ pub enum BadReason {
     /// The Kafka timestamp lies past [`MAX_TIMESTAMP_MS`]: no real clock
     /// (a producer stamping microseconds lands in the year 55,000).
     TimestampOutOfRange,
+    /// The value starts with the Schema Registry magic byte but ends inside
+    /// the framing (the schema id or the message-index list).
+    FramingTruncated,
+    /// The framed schema id is not one of the allowed `--schema-ids`.
+    SchemaIdUnknown,
+    /// The message-index list is malformed or names a message other than
+    /// `LikeEvent`, the first message of the schema.
+    MessageIndexInvalid,
 }
 
 /// 2100-01-01T00:00:00Z. An event stamped later is dead-lettered by this
@@ -54,13 +83,16 @@ pub fn check_timestamp(timestamp_ms: i64) -> Result<(), BadReason> {
 
 impl BadReason {
     /// Every reason, for pre-registering metrics.
-    pub const ALL: [BadReason; 6] = [
+    pub const ALL: [BadReason; 9] = [
         BadReason::Empty,
         BadReason::Undecodable,
         BadReason::PostIdZero,
         BadReason::ActionUnspecified,
         BadReason::ActionUnknown,
         BadReason::TimestampOutOfRange,
+        BadReason::FramingTruncated,
+        BadReason::SchemaIdUnknown,
+        BadReason::MessageIndexInvalid,
     ];
 
     /// The stable name used in metrics, logs and dead-letter headers.
@@ -72,6 +104,9 @@ impl BadReason {
             BadReason::ActionUnspecified => "action_unspecified",
             BadReason::ActionUnknown => "action_unknown",
             BadReason::TimestampOutOfRange => "timestamp_out_of_range",
+            BadReason::FramingTruncated => "framing_truncated",
+            BadReason::SchemaIdUnknown => "schema_id_unknown",
+            BadReason::MessageIndexInvalid => "message_index_invalid",
         }
     }
 }
@@ -82,10 +117,84 @@ impl std::fmt::Display for BadReason {
     }
 }
 
-/// Decodes and validates one message value.
+/// Decodes and validates one message value, plain or framed, accepting any
+/// schema id.
 pub fn decode(payload: Option<&[u8]>) -> Result<Like, BadReason> {
-    let bytes = payload.ok_or(BadReason::Empty)?;
-    let event = LikeEvent::decode(bytes).map_err(|_| BadReason::Undecodable)?;
+    Decoder::ANY_SCHEMA.decode(payload)
+}
+
+/// Decodes message values, checking framed ones against the allowed schema ids.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Decoder {
+    /// Allowed schema ids; empty accepts any.
+    schema_ids: Vec<u32>,
+}
+
+impl Decoder {
+    /// A decoder that accepts every schema id.
+    pub const ANY_SCHEMA: Decoder = Decoder {
+        schema_ids: Vec::new(),
+    };
+
+    /// A decoder that accepts framed values with one of `schema_ids` only, or
+    /// any id when the list is empty. Plain values carry no id and are
+    /// accepted either way.
+    pub fn new(schema_ids: &[u32]) -> Decoder {
+        Decoder {
+            schema_ids: schema_ids.to_vec(),
+        }
+    }
+
+    /// Decodes and validates one message value.
+    pub fn decode(&self, payload: Option<&[u8]>) -> Result<Like, BadReason> {
+        let bytes = payload.ok_or(BadReason::Empty)?;
+        let protobuf = match bytes.split_first() {
+            Some((&MAGIC_BYTE, framed)) => self.unframe(framed)?,
+            _ => bytes,
+        };
+        validate(LikeEvent::decode(protobuf).map_err(|_| BadReason::Undecodable)?)
+    }
+
+    /// The protobuf after the magic byte, the schema id and the message-index
+    /// list, once they are checked.
+    fn unframe<'a>(&self, framed: &'a [u8]) -> Result<&'a [u8], BadReason> {
+        let (id, mut rest) = framed
+            .split_first_chunk::<4>()
+            .ok_or(BadReason::FramingTruncated)?;
+        let id = u32::from_be_bytes(*id);
+        if !self.schema_ids.is_empty() && !self.schema_ids.contains(&id) {
+            return Err(BadReason::SchemaIdUnknown);
+        }
+        // `[0]` is written as the count 0, or as the count 1 and the index 0;
+        // any other list names another message (or a nested one).
+        match read_zigzag(&mut rest)? {
+            0 => {}
+            1 if read_zigzag(&mut rest)? == 0 => {}
+            _ => return Err(BadReason::MessageIndexInvalid),
+        }
+        Ok(rest)
+    }
+}
+
+/// Reads one zig-zag varint of the message-index list.
+fn read_zigzag(bytes: &mut &[u8]) -> Result<i64, BadReason> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let (&byte, rest) = bytes.split_first().ok_or(BadReason::FramingTruncated)?;
+        *bytes = rest;
+        if shift == 63 && byte > 1 {
+            return Err(BadReason::MessageIndexInvalid);
+        }
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Ok((value >> 1) as i64 ^ -((value & 1) as i64));
+        }
+    }
+    Err(BadReason::MessageIndexInvalid)
+}
+
+/// The like a decoded event is, or why it is none.
+fn validate(event: LikeEvent) -> Result<Like, BadReason> {
     let delta = match Action::try_from(event.action) {
         Ok(Action::Like) => 1,
         Ok(Action::Unlike) => -1,
@@ -183,7 +292,160 @@ mod tests {
         );
     }
 
+    /// A Schema Registry framed value: magic byte, id, message indexes as
+    /// raw bytes, protobuf.
+    fn framed(id: u32, indexes: &[u8], protobuf: &[u8]) -> Vec<u8> {
+        let mut out = vec![MAGIC_BYTE];
+        out.extend(id.to_be_bytes());
+        out.extend(indexes);
+        out.extend(protobuf);
+        out
+    }
+
+    const LIKE_7_9: Like = Like {
+        post_id: 7,
+        user_id: 9,
+        delta: 1,
+    };
+
+    #[test]
+    fn framed_values_decode_like_plain_ones() {
+        let event = encode(7, 9, Action::Like, 1);
+        // `[0]` in its short form, and as the count 1 (zig-zag 2) and the index 0.
+        for indexes in [&[0x00][..], &[0x02, 0x00]] {
+            assert_eq!(decode(Some(&framed(12, indexes, &event))), Ok(LIKE_7_9));
+        }
+        // An empty protobuf after the framing is a `LikeEvent` of defaults.
+        assert_eq!(
+            decode(Some(&framed(12, &[0], &[]))),
+            Err(BadReason::ActionUnspecified)
+        );
+        // The protobuf after the framing gets the same checks as a plain one.
+        let post_zero = encode(0, 9, Action::Like, 1);
+        assert_eq!(
+            decode(Some(&framed(12, &[0], &post_zero))),
+            Err(BadReason::PostIdZero)
+        );
+        assert_eq!(
+            decode(Some(&framed(12, &[0], &[0xff, 0xff]))),
+            Err(BadReason::Undecodable)
+        );
+    }
+
+    #[test]
+    fn a_truncated_framing_is_its_own_reason() {
+        let whole = framed(12, &[0x02, 0x00], &encode(7, 9, Action::Like, 1));
+        // Cut inside the schema id or the message-index list.
+        for len in 1..7 {
+            assert_eq!(
+                decode(Some(&whole[..len])),
+                Err(BadReason::FramingTruncated),
+                "{:02x?}",
+                &whole[..len]
+            );
+        }
+        // A varint that never ends.
+        assert_eq!(
+            decode(Some(&framed(12, &[0x82, 0x80], &[]))),
+            Err(BadReason::FramingTruncated)
+        );
+    }
+
+    #[test]
+    fn only_the_message_index_list_of_like_event_is_accepted() {
+        let event = encode(7, 9, Action::Like, 1);
+        for indexes in [
+            &[0x02, 0x02][..],   // [1]: the second message of the schema
+            &[0x04, 0x00, 0x00], // [0, 0]: a message nested in the first
+            &[0x01],             // the count -1
+            &[0x02, 0x01],       // [-1]
+            &[0x06],             // a count of 3 with nothing after it
+            &[0xff; 10],         // a varint longer than 64 bits
+        ] {
+            assert_eq!(
+                decode(Some(&framed(12, indexes, &event))),
+                Err(BadReason::MessageIndexInvalid),
+                "{indexes:02x?}"
+            );
+        }
+        // A count written with a redundant continuation byte is still 0.
+        assert_eq!(
+            decode(Some(&framed(12, &[0x80, 0x00], &event))),
+            Ok(LIKE_7_9)
+        );
+    }
+
+    #[test]
+    fn schema_ids_are_checked_only_when_given() {
+        let event = encode(7, 9, Action::Like, 1);
+        let checked = Decoder::new(&[12, 13]);
+        assert_eq!(
+            checked.decode(Some(&framed(13, &[0], &event))),
+            Ok(LIKE_7_9)
+        );
+        assert_eq!(
+            checked.decode(Some(&framed(14, &[0], &event))),
+            Err(BadReason::SchemaIdUnknown)
+        );
+        // A truncated id cannot be checked.
+        assert_eq!(
+            checked.decode(Some(&[MAGIC_BYTE, 0, 0])),
+            Err(BadReason::FramingTruncated)
+        );
+        // Plain values carry no id.
+        assert_eq!(checked.decode(Some(&event)), Ok(LIKE_7_9));
+        for any in [Decoder::ANY_SCHEMA, Decoder::new(&[]), Decoder::default()] {
+            assert_eq!(
+                any.decode(Some(&framed(u32::MAX, &[0], &event))),
+                Ok(LIKE_7_9)
+            );
+        }
+    }
+
+    #[test]
+    fn every_reason_is_listed_once_with_a_distinct_name() {
+        let names: std::collections::HashSet<&str> =
+            BadReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names.len(), BadReason::ALL.len());
+        assert!(names.contains("framing_truncated"));
+        assert!(names.contains("schema_id_unknown"));
+        assert!(names.contains("message_index_invalid"));
+        assert!(names.contains("timestamp_out_of_range"));
+    }
+
     proptest! {
+        #[test]
+        fn framed_and_plain_values_get_the_same_verdict(
+            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+            id: u32,
+            long_form: bool,
+        ) {
+            let indexes: &[u8] = if long_form { &[0x02, 0x00] } else { &[0x00] };
+            let plain = decode(Some(&bytes));
+            // A plain value starting with 0 is itself framed; its verdict differs.
+            prop_assume!(bytes.first() != Some(&MAGIC_BYTE));
+            prop_assert_eq!(decode(Some(&framed(id, indexes, &bytes))), plain);
+        }
+
+        #[test]
+        fn a_checked_id_decides_alone(id: u32, allowed in proptest::collection::vec(any::<u32>(), 1..4)) {
+            let event = encode(7, 9, Action::Like, 1);
+            let verdict = Decoder::new(&allowed).decode(Some(&framed(id, &[0], &event)));
+            if allowed.contains(&id) {
+                prop_assert_eq!(verdict, Ok(LIKE_7_9));
+            } else {
+                prop_assert_eq!(verdict, Err(BadReason::SchemaIdUnknown));
+            }
+        }
+
+        #[test]
+        fn arbitrary_framed_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut value = vec![MAGIC_BYTE];
+            value.extend(&bytes);
+            prop_assert_eq!(decode(Some(&value)), decode(Some(&value)));
+            let _ = Decoder::new(&[1]).decode(Some(&value));
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = decode(Some(&bytes));

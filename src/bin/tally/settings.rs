@@ -141,6 +141,12 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC", help_heading = KAFKA)]
     pub dead_letter_topic: Option<String>,
 
+    /// Schema Registry ids a framed value may carry, comma separated (12,13); a framed
+    /// value with another id is dead-lettered as schema_id_unknown. Unset: any id. Plain
+    /// protobuf values carry no id and are always accepted.
+    #[arg(long, env = "TALLY_SCHEMA_IDS", value_name = "ID,...", value_delimiter = ',', help_heading = KAFKA)]
+    pub schema_ids: Vec<u32>,
+
     /// Where the counts are.
     #[command(flatten)]
     #[serde(flatten)]
@@ -306,6 +312,7 @@ impl RunArgs {
             metrics_addr: self.metrics_addr,
             test_script_pause: Duration::from_millis(self.test_script_pause_ms),
             accept_lost_counts: self.accept_lost_counts,
+            schema_ids: self.schema_ids.clone(),
         };
         problems.extend(settings.problems());
         if problems.is_empty() {
@@ -611,6 +618,20 @@ mod tests {
             flags(&["--redis-password-file", "/nonexistent/pw"]),
             ["redis-password-file"]
         );
+    }
+
+    #[test]
+    fn schema_ids_are_a_list_of_positive_ids() {
+        assert!(parse(&[]).settings().unwrap().schema_ids.is_empty());
+        let settings = parse(&["--schema-ids", "12,13", "--schema-ids", "20"])
+            .settings()
+            .unwrap();
+        assert_eq!(settings.schema_ids, [12, 13, 20]);
+        assert_eq!(flags(&["--schema-ids", "0"]), ["schema-ids"]);
+        assert_eq!(flags(&["--schema-ids", "2147483648"]), ["schema-ids"]);
+        assert!(flags(&["--schema-ids", "2147483647"]).is_empty());
+        assert!(parse_flags::<RunArgs>(&["--schema-ids", "twelve"]).is_err());
+        assert!(parse_flags::<RunArgs>(&["--schema-ids", "-1"]).is_err());
     }
 
     #[test]

@@ -226,6 +226,17 @@ mod tests {
     }
 
     #[test]
+    fn schema_ids_come_from_the_file_as_an_array_and_a_flag_replaces_them() {
+        let file = "schema-ids = [12, 13]\n";
+        assert_eq!(layered(file, &[]).unwrap().schema_ids, [12, 13]);
+        assert_eq!(
+            layered(file, &["--schema-ids", "20"]).unwrap().schema_ids,
+            [20]
+        );
+        assert!(layered("schema-ids = \"12\"\n", &[]).is_err());
+    }
+
+    #[test]
     fn unknown_keys_are_named_with_their_line() {
         let errors = layered("topic = \"t\"\nbukets = 3\n[kafka]\nx = 1\n", &[]).unwrap_err();
         let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
