@@ -74,6 +74,42 @@ ensure_promtool() {
     say "installed $(promtool --version 2>&1 | head -n 1)"
 }
 
+# Installs the Python Kafka client for tests/producers/produce.py, the producer other than tally
+# that tests/e2e_codecs.rs runs: confluent-kafka, whose wheels bundle a librdkafka built with
+# gzip, snappy, lz4 and zstd. Brings python3 and pip from Debian first when they are missing.
+ensure_python_kafka() {
+    if python3 -c 'import confluent_kafka' >/dev/null 2>&1; then
+        return
+    fi
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
+            >/dev/null
+    fi
+    say "confluent-kafka not found: python3 -m pip install confluent-kafka==2.16.1"
+    # A Debian python3 refuses pip installs outside a virtualenv unless told (PEP 668).
+    python3 -m pip install --quiet confluent-kafka==2.16.1 2>/dev/null ||
+        python3 -m pip install --quiet --break-system-packages confluent-kafka==2.16.1
+    say "installed confluent-kafka $(python3 -c 'import confluent_kafka; print(confluent_kafka.__version__)')"
+}
+
+# Installs buf from npm (tests/proto_contract.rs runs `buf lint` and `buf breaking` on proto/,
+# configured by buf.yaml). Brings Debian's npm first when it is missing.
+ensure_buf() {
+    if command -v buf >/dev/null 2>&1; then
+        return
+    fi
+    if ! command -v npm >/dev/null 2>&1; then
+        say "npm not found: installing Debian's npm with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+    fi
+    say "buf not found: npm install -g @bufbuild/buf@1.75.0"
+    as_root npm install -g --silent @bufbuild/buf@1.75.0
+    say "installed buf $(buf --version)"
+}
+
 # Path of the tansu binary, or nothing.
 tansu_path() {
     if [ -x "$HOME/.cargo/bin/tansu" ]; then
