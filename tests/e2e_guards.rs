@@ -292,3 +292,75 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
     count_all(&moved, &mut conn, &args, second.events.len());
     moved.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }
+
+/// A dead-letter copy that can never succeed (here: larger than tally's producer may send) is
+/// retried without end and holds its partition back, but never silently: each failure is
+/// counted, and after a minute `/readyz` fails with the error. The other partitions go on.
+#[test]
+fn a_dead_letter_copy_that_keeps_failing_fails_readiness() {
+    let run = Scenario::new("e2e_guards_dlq", "dlqfail", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let dlq = format!("{}-dlq", run.topic);
+    create_topic_on(&run.brokers, &dlq, 1);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--dead-letter-topic", &dlq, "--metrics-addr", &metrics].map(String::from));
+    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    // Not a LikeEvent (field 1 with wire type 7), and larger than a producer sends by default.
+    produce_stamped(
+        &run.brokers,
+        &run.topic,
+        0,
+        &vec![0x0f; 1_500_000],
+        now_ms(),
+    );
+    let mut tally = Tally::spawn_args("tally", &args);
+    let hwms = run.hwms(w.events.len() + 1);
+    // Every partition but the one holding the bad message is applied to its end.
+    wait_for("the other partitions", Duration::from_secs(60), || {
+        tally.assert_running();
+        let fences = read_fences(
+            &mut conn,
+            &run.prefix,
+            &run.group,
+            &run.topic,
+            PARTITIONS as usize,
+        );
+        (1..PARTITIONS as usize)
+            .all(|p| fences[p] == Some(hwms[p] - 1))
+            .then_some(())
+    });
+    let mut last = String::new();
+    let body = wait_for("readiness to fail", Duration::from_secs(120), || {
+        tally.assert_running();
+        let (status, body) = http_get(&metrics, "/readyz").ok()?;
+        last = body.clone();
+        (status == 503 && body.contains("FAIL dead letters")).then_some(body)
+    });
+    eprintln!("[e2e_guards] /readyz before: {last}");
+    assert!(
+        body.contains(&format!("copies to {dlq} fail")) && body.contains("too large"),
+        "{body}"
+    );
+    let text = scrape_metrics(&metrics);
+    assert!(metric_value(&text, "tally_dead_letter_failures_total").unwrap_or(0.0) >= 3.0);
+    // The gauge follows within one probe interval.
+    wait_for("tally_ready 0", Duration::from_secs(15), || {
+        let text = scrape_metrics(&metrics);
+        (metric_value(&text, "tally_ready") == Some(0.0)).then_some(())
+    });
+    let fences = read_fences(
+        &mut conn,
+        &run.prefix,
+        &run.group,
+        &run.topic,
+        PARTITIONS as usize,
+    );
+    assert!(
+        fences[0] < Some(hwms[0] - 1),
+        "the held partition's fence never passes the bad message"
+    );
+    tally.kill9();
+}

@@ -4,8 +4,9 @@
 //! `/readyz` is 200 only while all of these hold: the consumer has joined its
 //! group and holds an assignment (an empty one counts: a group may have more
 //! consumers than partitions), the latest Redis check and the latest broker
-//! check both succeeded no longer than [`STALE_AFTER`] ago, and shutdown has
-//! not begun. The checks run in the background ([`spawn_probes`]); the
+//! check both succeeded no longer than [`STALE_AFTER`] ago, no dead-letter
+//! copy has been failing for longer than [`DEAD_LETTER_BOUND`], and shutdown
+//! has not begun. The checks run in the background ([`spawn_probes`]); the
 //! pipeline reports its assignments ([`assigned`], [`unassigned`]); answering
 //! a probe never waits on Redis or Kafka.
 
@@ -26,6 +27,8 @@ use crate::infra::store::{Store, Target};
 pub const PROBE_EVERY: Duration = Duration::from_secs(5);
 /// A check older than this no longer counts as a success.
 pub const STALE_AFTER: Duration = Duration::from_secs(20);
+/// How long dead-letter copies may keep failing before readiness fails.
+pub const DEAD_LETTER_BOUND: Duration = Duration::from_secs(60);
 /// How long one check may take.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(4);
 
@@ -84,6 +87,8 @@ struct Readiness {
     stopping: AtomicBool,
     redis: Check,
     broker: Check,
+    /// Since when dead-letter copies fail, with the latest error and topic.
+    dead_letters: Mutex<Option<(Instant, String)>>,
 }
 
 static STATE: Readiness = Readiness {
@@ -91,7 +96,20 @@ static STATE: Readiness = Readiness {
     stopping: AtomicBool::new(false),
     redis: Check::new("redis"),
     broker: Check::new("broker"),
+    dead_letters: Mutex::new(None),
 };
+
+/// Records a dead-letter copy to `topic`: a success clears the failure.
+pub fn dead_letters(topic: &str, outcome: Result<(), String>) {
+    let mut failing = STATE.dead_letters.lock().unwrap_or_else(|e| e.into_inner());
+    match outcome {
+        Ok(()) => *failing = None,
+        Err(error) => {
+            let since = failing.as_ref().map_or_else(Instant::now, |(at, _)| *at);
+            *failing = Some((since, format!("copies to {topic} fail: {error}")));
+        }
+    }
+}
 
 /// The consumer holds `partitions` partitions after a rebalance (zero is a
 /// valid assignment).
@@ -144,6 +162,23 @@ pub fn report() -> (bool, String) {
     );
     line("redis", STATE.redis.status());
     line("broker", STATE.broker.status());
+    let failing = STATE
+        .dead_letters
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    if let Some((since, error)) = failing {
+        let secs = since.elapsed().as_secs();
+        let status = format!("{error} (for {secs} s)");
+        line(
+            "dead letters",
+            if since.elapsed() > DEAD_LETTER_BOUND {
+                Err(status)
+            } else {
+                Ok(status)
+            },
+        );
+    }
     if STATE.stopping.load(Ordering::Relaxed) {
         line("shutdown", Err("stopping".into()));
     }
@@ -179,6 +214,7 @@ pub fn spawn_probes(
                 Err(problem) => Err(problem.clone()),
             };
             broker_checked(kafka);
+            crate::infra::metrics::ready(report().0);
         }
     })
 }

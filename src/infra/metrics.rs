@@ -52,6 +52,13 @@ pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
 /// Messages between a partition's last applied offset and its high
 /// watermark, by `partition`.
 pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
+/// Age of the newest applied event while newer ones wait (0 when caught
+/// up), by `partition`.
+pub const CONSUMER_LAG_SECONDS: &str = "tally_consumer_lag_seconds";
+/// Dead-letter copies that failed and are retried.
+pub const DEAD_LETTER_FAILURES: &str = "tally_dead_letter_failures_total";
+/// 1 while `/readyz` answers 200, 0 otherwise.
+pub const READY: &str = "tally_ready";
 /// Last Kafka offset applied to Redis (the fence), by `partition`.
 pub const APPLIED_OFFSET: &str = "tally_applied_offset";
 /// Consumer group rebalances this consumer took part in.
@@ -157,6 +164,21 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Messages not yet applied, by partition.",
     ),
     (
+        CONSUMER_LAG_SECONDS,
+        Kind::Gauge,
+        "Seconds between now and the newest applied event's Kafka timestamp while newer events wait (0 when caught up), by partition.",
+    ),
+    (
+        DEAD_LETTER_FAILURES,
+        Kind::Counter,
+        "Dead-letter copies that failed and are retried; each holds its batch back.",
+    ),
+    (
+        READY,
+        Kind::Gauge,
+        "1 while /readyz answers 200, 0 otherwise.",
+    ),
+    (
         APPLIED_OFFSET,
         Kind::Gauge,
         "Last Kafka offset applied to Redis, by partition.",
@@ -222,6 +244,8 @@ pub fn describe(bad_reasons: &[&'static str]) {
         RESYNCS,
         COMMIT_FAILURES,
         FUTURE_EVENTS,
+        DEAD_LETTER_FAILURES,
+        DEAD_LETTER_FAILURES,
         READ_CACHE_HITS,
         READ_CACHE_MISSES,
         REBALANCES,
@@ -234,6 +258,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     gauge!(ROUTED_POSTS).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
+    gauge!(READY).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
 
@@ -283,6 +308,21 @@ pub fn offsets_skipped(reason: &'static str, offsets: u64) {
 /// Records how far ahead of the registry clock routing is final.
 pub fn routing_final_ahead(ms: i64) {
     gauge!(ROUTING_FINAL_AHEAD).set(ms.max(0) as f64 / 1000.0);
+}
+
+/// Records a partition's lag in seconds.
+pub fn consumer_lag_seconds(partition: i32, seconds: f64) {
+    gauge!(CONSUMER_LAG_SECONDS, "partition" => partition.to_string()).set(seconds);
+}
+
+/// Records a failed dead-letter copy.
+pub fn dead_letter_failed() {
+    counter!(DEAD_LETTER_FAILURES).increment(1);
+}
+
+/// Records readiness.
+pub fn ready(ready: bool) {
+    gauge!(READY).set(if ready { 1.0 } else { 0.0 });
 }
 
 /// Records a NOSCRIPT reload.

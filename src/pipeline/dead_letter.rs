@@ -4,6 +4,12 @@
 //! moves past its offset, so no bad message is ever lost from view. Copies are
 //! at-least-once: a batch replayed after a crash copies its bad messages again;
 //! consumers of the dead-letter topic deduplicate on the source headers.
+//!
+//! A copy that keeps failing (a missing topic, an ACL refusal, a value over
+//! the topic's size limit) is retried without end, since dropping it would
+//! lose the message from view; each failure is counted, and after
+//! [`crate::infra::health::DEAD_LETTER_BOUND`] of failures readiness fails
+//! with the error, so it is never silent.
 
 use std::time::Duration;
 
@@ -12,6 +18,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::infra::health;
 use crate::infra::retry::Backoff;
 use crate::pipeline::decode::BadReason;
 
@@ -42,7 +49,7 @@ pub struct DeadLetter {
 /// A copy on its way.
 pub struct Pending {
     letter: DeadLetter,
-    delivery: Option<DeliveryFuture>,
+    delivery: Result<DeliveryFuture, String>,
 }
 
 /// Producer for the dead-letter topic.
@@ -62,7 +69,7 @@ impl DeadLetters {
         }
     }
 
-    fn start(&self, letter: &DeadLetter) -> Option<DeliveryFuture> {
+    fn start(&self, letter: &DeadLetter) -> Result<DeliveryFuture, String> {
         let partition = letter.partition.to_string();
         let offset = letter.offset.to_string();
         let headers = OwnedHeaders::new()
@@ -90,7 +97,9 @@ impl DeadLetters {
         if let Some(value) = &letter.value {
             record = record.payload(value.as_slice());
         }
-        self.producer.send_result(record).ok()
+        self.producer
+            .send_result(record)
+            .map_err(|(error, _)| error.to_string())
     }
 
     /// Starts copying a bad message.
@@ -109,18 +118,26 @@ impl DeadLetters {
         {
             let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
             loop {
-                let delivered = match delivery.take() {
-                    Some(future) => matches!(future.await, Ok(Ok(_))),
-                    None => false,
+                let sent = std::mem::replace(&mut delivery, Err(String::new()));
+                let outcome = match sent {
+                    Ok(future) => match future.await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err((error, _))) => Err(error.to_string()),
+                        Err(_) => Err("the producer dropped the delivery".to_string()),
+                    },
+                    Err(error) => Err(error),
                 };
-                if delivered {
+                health::dead_letters(&self.topic, outcome.clone());
+                let Err(error) = outcome else {
                     crate::infra::metrics::dead_lettered();
                     break;
-                }
+                };
+                crate::infra::metrics::dead_letter_failed();
                 warn!(
                     partition = letter.partition,
                     offset = letter.offset,
                     topic = %self.topic,
+                    %error,
                     "Dead-letter copy failed; retrying."
                 );
                 tokio::select! {

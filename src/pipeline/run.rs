@@ -511,8 +511,17 @@ impl Pipeline {
                     self.retry_seeks();
                     self.dispatch_ready(false);
                     self.report_idle();
+                    self.report_lag_seconds();
                 }
             }
+        }
+    }
+
+    /// Sets each owned partition's lag in seconds.
+    fn report_lag_seconds(&self) {
+        let now = wall_ms();
+        for (&partition, state) in &self.owned {
+            metrics::consumer_lag_seconds(partition, state.lag_seconds(now));
         }
     }
 
@@ -629,6 +638,7 @@ impl Pipeline {
                 due
             })
         });
+        state.newest_sent_ms = state.newest_seen_ms;
         let job = Job {
             partition,
             epoch: state.epoch,
@@ -747,6 +757,7 @@ impl Pipeline {
             if !probe {
                 self.committer.applied(&self.consumer, partition, done.last);
                 metrics::applied_offset(partition, done.last);
+                state.newest_applied_ms = state.newest_applied_ms.max(state.newest_sent_ms);
             }
             return Ok(());
         }

@@ -307,7 +307,7 @@ pub fn produce(
 }
 
 /// Produces one message to `partition` with the Kafka timestamp `timestamp_ms` (a producer
-/// whose clock is off); returns its offset.
+/// whose clock is off), up to 8 MB large; returns its offset.
 pub fn produce_stamped(
     brokers: &str,
     topic: &str,
@@ -319,6 +319,7 @@ pub fn produce_stamped(
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .set("acks", "all")
+        .set("message.max.bytes", "8388608")
         .create()
         .expect("create producer");
     let record = FutureRecord::<(), _>::to(topic)

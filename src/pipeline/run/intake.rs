@@ -44,6 +44,22 @@ pub(super) struct Owned {
     /// partition whose fetcher is still starting); messages are dropped until
     /// it succeeds, so nothing read from the old position enters a batch.
     pub(super) pending_seek: Option<i64>,
+    /// Kafka timestamps (milliseconds): the newest event accepted, the newest
+    /// in the batch in flight, and the newest applied; for the lag in seconds.
+    pub(super) newest_seen_ms: i64,
+    pub(super) newest_sent_ms: i64,
+    pub(super) newest_applied_ms: i64,
+}
+
+impl Owned {
+    /// How far behind the partition's counts are, in seconds: the age of
+    /// the newest applied event while newer ones wait, 0 when caught up.
+    pub(super) fn lag_seconds(&self, now_ms: i64) -> f64 {
+        if self.newest_seen_ms <= self.newest_applied_ms || self.newest_applied_ms == 0 {
+            return 0.0;
+        }
+        (now_ms - self.newest_applied_ms).max(0) as f64 / 1000.0
+    }
 }
 
 /// What a batch of ownership changes did.
@@ -93,6 +109,9 @@ pub(super) fn apply_changes(
                             advanced_at: vec![Instant::now(); groups],
                             verified_at: Instant::now(),
                             pending_seek: None,
+                            newest_seen_ms: 0,
+                            newest_sent_ms: 0,
+                            newest_applied_ms: 0,
                         },
                     );
                 }
@@ -102,12 +121,14 @@ pub(super) fn apply_changes(
                     owned.remove(&p);
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
+                    metrics::consumer_lag_seconds(p, 0.0);
                 }
             }
             Rebalanced::Lost => {
                 for p in owned.keys().copied().collect::<Vec<_>>() {
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
+                    metrics::consumer_lag_seconds(p, 0.0);
                 }
                 owned.clear();
                 health::unassigned();
@@ -168,6 +189,7 @@ pub(super) fn accept(
         }
     }
     state.next = Some(offset + 1);
+    state.newest_seen_ms = state.newest_seen_ms.max(timestamp);
     true
 }
 
