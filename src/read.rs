@@ -323,6 +323,7 @@ impl Reader {
         let mut last_error = None;
         for _ in 0..3 {
             self.inner.fetches.fetch_add(1, Ordering::Relaxed);
+            crate::infra::metrics::read_fetch();
             match tokio::time::timeout(READ_DEADLINE, self.fetch_once(posts)).await {
                 Ok(Ok(counts)) => return Ok(counts),
                 Ok(Err(error)) => last_error = Some(ReadError::from(error)),

@@ -368,3 +368,88 @@ fn framed_values_are_counted_and_bad_framings_dead_lettered() {
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");
 }
+
+#[test]
+fn framed_values_with_unknown_schema_ids_are_dead_lettered_when_ids_are_checked() {
+    require_python_kafka();
+    let run = Scenario::new("e2e_codecs", "schema-ids", PARTITIONS);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0x5c4e);
+    let dlt = unique("likes-schema-ids-dlq");
+    create_topic(&dlt, 1);
+    let redis = RedisServer::start();
+
+    // Ids 12 and 13 are allowed; 14 and 99 are not. Plain values carry no id and count. Each
+    // kind has posts of its own.
+    let mut truth: HashMap<u64, i64> = HashMap::new();
+    let mut messages: Vec<Msg> = Vec::new();
+    let mut unknown = 0;
+    for (i, id) in [None, Some(12), Some(13), Some(14), Some(99)]
+        .into_iter()
+        .enumerate()
+    {
+        let (events, events_truth) = events(&mut rng, i as u64 * 1_000_000_000, 1_000);
+        if matches!(id, Some(14 | 99)) {
+            unknown += events.len();
+        } else {
+            truth.extend(events_truth);
+        }
+        for (key, value, partition) in events {
+            let value = id.map_or(value.clone(), |id| framed(id, &[0x00], &value));
+            let at = rng.random_range(0..=messages.len());
+            messages.insert(at, (key, value, partition));
+        }
+    }
+    python_produce(&run.brokers, &run.topic, "zstd", &messages);
+    let hwms = run.hwms(messages.len());
+
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(
+        [
+            "--schema-ids",
+            "12,13",
+            "--dead-letter-topic",
+            &dlt,
+            "--metrics-addr",
+            &metrics_addr,
+        ]
+        .map(String::from),
+    );
+    let mut tally = Tally::spawn_args("tally", &args);
+    let mut conn = redis.conn();
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        tally.assert_running()
+    });
+    run.assert_exact(&mut conn, &truth);
+    let series = "tally_bad_messages_total{reason=\"schema_id_unknown\"}";
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut text = scrape_metrics(&metrics_addr);
+    while metric_value(&text, series) != Some(unknown as f64) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        text = scrape_metrics(&metrics_addr);
+    }
+    assert_eq!(
+        metric_value(&text, series),
+        Some(unknown as f64),
+        "{:?}",
+        metric_series(&text, "tally_bad_messages_total")
+    );
+    // Each dead-lettered with its reason (copies after a retry allowed).
+    let mut found = std::collections::HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while found.len() < unknown && Instant::now() < deadline {
+        for m in read_topic(&run.brokers, &dlt, Duration::from_secs(20)) {
+            let reason = header_str(&m, "tally-reason").unwrap_or_default();
+            assert_eq!(reason, "schema_id_unknown", "the only reason in this run");
+            let source = (
+                header_str(&m, "tally-source-partition"),
+                header_str(&m, "tally-source-offset"),
+            );
+            found.insert(source);
+        }
+    }
+    assert_eq!(found.len(), unknown, "dead letters of unknown schema ids");
+
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success(), "tally exited with {status} after SIGTERM");
+}

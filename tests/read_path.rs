@@ -217,6 +217,24 @@ fn http_answers_counts_and_errors_as_json() {
     let (status, _) = http(&addr, "GET", "/v1/posts/18446744073709551615/likes");
     assert_eq!(status, 200, "u64::MAX is a valid id");
 
+    // /metrics: every answer by route and status, its latency, the cache and Redis fetches.
+    let (status, text) = http_get(&addr, "/metrics").expect("GET /metrics");
+    assert_eq!(status, 200);
+    let requests = |route: &str, status: u16| {
+        metric_value(
+            &text,
+            &format!("tally_read_requests_total{{route=\"{route}\",status=\"{status}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(requests("/v1/posts/{id}/likes", 200), 2.0, "{text}");
+    assert_eq!(requests("/v1/posts/{id}/likes", 400), 3.0, "{text}");
+    assert_eq!(requests("/v1/likes", 200), 2.0, "{text}");
+    assert_eq!(requests("other", 404), 2.0, "{text}");
+    assert!(text.contains("tally_read_request_seconds_bucket{route=\"/v1/likes\""));
+    assert!(metric_value(&text, "tally_read_cache_misses_total").unwrap_or(0.0) >= 1000.0);
+    assert!(metric_value(&text, "tally_read_fetches_total").unwrap_or(0.0) >= 3.0);
+
     // Redis gone: 503 with a JSON error, and the server keeps running.
     drop(redis);
     let (status, body) = http(&addr, "GET", "/v1/posts/123456789/likes");

@@ -56,6 +56,20 @@ pub fn serve(
     })
 }
 
+/// Drains `metrics`' histograms into their buckets every few seconds until
+/// `shutdown`.
+pub fn spawn_upkeep(metrics: PrometheusHandle, shutdown: CancellationToken) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(UPKEEP_EVERY);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => metrics.run_upkeep(),
+            }
+        }
+    })
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until `shutdown`,
 /// with the histogram upkeep beside it; returns the bound address.
 pub async fn serve_probes(
@@ -67,17 +81,7 @@ pub async fn serve_probes(
     let bound = listener
         .local_addr()
         .map_err(|source| BindError { addr, source })?;
-    let upkeep = metrics.clone();
-    let stop = shutdown.clone();
-    tokio::spawn(async move {
-        let mut every = tokio::time::interval(UPKEEP_EVERY);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = every.tick() => upkeep.run_upkeep(),
-            }
-        }
-    });
+    spawn_upkeep(metrics.clone(), shutdown.clone());
     serve(listener, probe_routes(metrics), shutdown);
     info!(addr = %bound, "Serving /metrics, /healthz and /readyz.");
     Ok(bound)

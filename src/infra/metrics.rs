@@ -49,6 +49,12 @@ pub const PROMOTIONS: &str = "tally_promotions_total";
 pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
 /// Count reads that had to sum the buckets in Redis.
 pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
+/// HTTP requests `tally serve` answered, by `route` and `status`.
+pub const READ_REQUESTS: &str = "tally_read_requests_total";
+/// Time `tally serve` took to answer, by `route`.
+pub const READ_SECONDS: &str = "tally_read_request_seconds";
+/// Fetches the read path sent to Redis (each one or two pipelines).
+pub const READ_FETCHES: &str = "tally_read_fetches_total";
 /// Messages between a partition's last applied offset and its high
 /// watermark, by `partition`.
 pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
@@ -93,7 +99,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         BAD_MESSAGES,
         Kind::Counter,
-        "Bad messages skipped, by reason (empty, undecodable, post_id_zero, action_unspecified, action_unknown, timestamp_out_of_range).",
+        "Bad messages skipped, by reason (BadReason: empty, undecodable, post_id_zero, action_unknown and the others docs/contract.md lists).",
     ),
     (
         DEAD_LETTERS,
@@ -162,6 +168,21 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         CONSUMER_LAG,
         Kind::Gauge,
         "Messages not yet applied, by partition.",
+    ),
+    (
+        READ_REQUESTS,
+        Kind::Counter,
+        "HTTP requests tally serve answered, by route and status.",
+    ),
+    (
+        READ_SECONDS,
+        Kind::Histogram,
+        "Seconds tally serve took to answer, by route.",
+    ),
+    (
+        READ_FETCHES,
+        Kind::Counter,
+        "Fetches the read path sent to Redis (each one or two pipelines, for any number of posts).",
     ),
     (
         CONSUMER_LAG_SECONDS,
@@ -310,6 +331,32 @@ pub fn routing_final_ahead(ms: i64) {
     gauge!(ROUTING_FINAL_AHEAD).set(ms.max(0) as f64 / 1000.0);
 }
 
+/// Describes every metric and registers the read path's series at zero:
+/// what `tally serve` exports.
+pub fn describe_reads() {
+    for &(name, kind, help) in ALL {
+        match kind {
+            Kind::Counter => describe_counter!(name, help),
+            Kind::Gauge => describe_gauge!(name, help),
+            Kind::Histogram => describe_histogram!(name, help),
+        }
+    }
+    for name in [READ_CACHE_HITS, READ_CACHE_MISSES, READ_FETCHES] {
+        counter!(name).absolute(0);
+    }
+}
+
+/// Records one answered HTTP request of the read path.
+pub fn read_request(route: &'static str, status: u16, took: Duration) {
+    counter!(READ_REQUESTS, "route" => route, "status" => status.to_string()).increment(1);
+    histogram!(READ_SECONDS, "route" => route).record(took.as_secs_f64());
+}
+
+/// Records a fetch of the read path.
+pub fn read_fetch() {
+    counter!(READ_FETCHES).increment(1);
+}
+
 /// Records a partition's lag in seconds.
 pub fn consumer_lag_seconds(partition: i32, seconds: f64) {
     gauge!(CONSUMER_LAG_SECONDS, "partition" => partition.to_string()).set(seconds);
@@ -397,6 +444,12 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
             ][..],
         ),
         (BATCH_MESSAGES, &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6][..]),
+        (
+            READ_SECONDS,
+            &[
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0,
+            ][..],
+        ),
         (SCRIPT_KEYS, &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4][..]),
     ] {
         builder = builder.set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)?;

@@ -34,7 +34,7 @@ use crate::infra::store::Target;
 use crate::ops::{OpError, open_applier};
 use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::check_topic;
-use crate::pipeline::decode::decode;
+use crate::pipeline::decode::Decoder;
 use crate::read::{Count, Reader};
 
 /// What to verify, besides the settings shared with `tally run`.
@@ -85,6 +85,8 @@ struct Recount {
     sums: FxHashMap<u64, i64>,
     only: Option<BTreeSet<u64>>,
     events: u64,
+    /// The rules `tally run` counts by.
+    decoder: Decoder,
 }
 
 impl Recount {
@@ -128,7 +130,8 @@ impl Recount {
             }
             if offset <= up_to {
                 self.events += 1;
-                if let Ok(like) = decode(message.payload())
+                let timestamp = message.timestamp().to_millis().unwrap_or(0);
+                if let Ok(like) = self.decoder.event(message.payload(), timestamp)
                     && self.only.as_ref().is_none_or(|o| o.contains(&like.post_id))
                 {
                     *self.sums.entry(like.post_id).or_insert(0) += like.delta;
@@ -200,6 +203,7 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         sums: FxHashMap::default(),
         only,
         events: 0,
+        decoder: Decoder::new(&settings.schema_ids),
     };
     let rounds = options.rounds.max(1);
     let settled = settle(&mut recount, &applier, &reader, (current, &layout), &partitions, rounds)

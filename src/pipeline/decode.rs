@@ -145,6 +145,15 @@ impl Decoder {
         }
     }
 
+    /// Decodes and validates one message: its value, and the Kafka timestamp
+    /// it is routed by. What `tally run` counts and what `tally verify`
+    /// recounts, by the same rules.
+    pub fn event(&self, payload: Option<&[u8]>, timestamp_ms: i64) -> Result<Like, BadReason> {
+        let like = self.decode(payload)?;
+        check_timestamp(timestamp_ms)?;
+        Ok(like)
+    }
+
     /// Decodes and validates one message value.
     pub fn decode(&self, payload: Option<&[u8]>) -> Result<Like, BadReason> {
         let bytes = payload.ok_or(BadReason::Empty)?;

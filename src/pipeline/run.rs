@@ -53,7 +53,7 @@ use crate::pipeline::apply::{Applier, ApplyError};
 use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::{self, LikeConsumer, TallyContext, TopicError};
 use crate::pipeline::dead_letter::DeadLetters;
-use crate::pipeline::decode::BadReason;
+use crate::pipeline::decode::{BadReason, Decoder};
 use crate::pipeline::guard::{self, GuardError};
 use crate::pipeline::hot::{Detector, Policy};
 
@@ -413,6 +413,8 @@ struct Pipeline {
     /// The task sharing the last second's hot-post counts.
     sharing: Option<JoinHandle<()>>,
     dead_letters: Option<Arc<DeadLetters>>,
+    /// Decodes values, checking framed ones against `--schema-ids`.
+    decoder: Decoder,
     committer: Committer,
     owned: HashMap<i32, Owned>,
     /// Partitions with a batch in flight; outlives ownership, so a revoked
@@ -449,6 +451,7 @@ impl Pipeline {
             },
             flush_after: settings.batching.flush_interval,
             committer: Committer::new(&settings.kafka.topic),
+            decoder: Decoder::new(&settings.schema_ids),
             settings,
             consumer,
             applier,
@@ -497,7 +500,7 @@ impl Pipeline {
                             let changed = intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes);
                             if changed.any { self.blocked = false; }
                             check_logs(&self.consumer, &self.settings.kafka.topic, &changed.resumed)?;
-                            let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, self.dead_letters.as_deref());
+                            let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition)?; }
                         }

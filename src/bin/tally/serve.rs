@@ -4,6 +4,8 @@
 //! * `GET /v1/likes?post_id=1&post_id=2` (1 to [`MAX_IDS`] ids) →
 //!   `{"likes": [{"post_id": 1, ...}, ...]}`, in the order asked
 //! * `GET /healthz` → `{"status": "ok"}`
+//! * `GET /metrics` → Prometheus text: requests by route and status, their
+//!   latency, read-cache hits and misses, fetches sent to Redis
 //!
 //! Invariant: every answer is JSON, errors included (`{"error": "..."}` with
 //! 400 for a bad or missing id or too many ids, 404 for an unknown path, 405
@@ -16,11 +18,13 @@ use std::time::Duration;
 use anyhow::Result;
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{MatchedPath, Path, RawQuery, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use clap::Args;
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tally::read::Reader;
 use tracing::info;
@@ -101,19 +105,57 @@ async fn many(
     Ok(Json(json!({ "likes": counts })).into_response())
 }
 
-/// The HTTP routes over `reader`.
-pub fn router(reader: Reader) -> Router {
-    Router::new()
+/// Counts and times every answer, by the route it matched.
+async fn measured(request: Request, next: Next) -> Response {
+    let route = match request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str)
+    {
+        Some("/v1/posts/{id}/likes") => "/v1/posts/{id}/likes",
+        Some("/v1/likes") => "/v1/likes",
+        Some("/healthz") => "/healthz",
+        Some("/metrics") => "/metrics",
+        _ => "other",
+    };
+    let began = std::time::Instant::now();
+    let response = next.run(request).await;
+    tally::infra::metrics::read_request(route, response.status().as_u16(), began.elapsed());
+    response
+}
+
+/// The HTTP routes over `reader`, with `/metrics` rendered by `metrics`.
+pub fn router(reader: Reader, metrics: Option<PrometheusHandle>) -> Router {
+    let mut router = Router::new()
         .route("/v1/posts/{id}/likes", get(one))
         .route("/v1/likes", get(many))
         .route(
             "/healthz",
             get(|| async { Json(json!({ "status": "ok" })) }),
-        )
+        );
+    if let Some(metrics) = metrics {
+        router = router.route(
+            "/metrics",
+            get(move || {
+                let body = metrics.render();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        body,
+                    )
+                }
+            }),
+        );
+    }
+    router
         .fallback(|| async { Failure(StatusCode::NOT_FOUND, "no such path".into()) })
         .method_not_allowed_fallback(|| async {
             Failure(StatusCode::METHOD_NOT_ALLOWED, "only GET is served".into())
         })
+        .layer(middleware::from_fn(measured))
         .with_state(reader)
 }
 
@@ -131,8 +173,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let listener = tally::infra::http::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("{e} (fix --listen)"))?;
+    let metrics = tally::infra::metrics::install()?;
+    tally::infra::metrics::describe_reads();
     info!(listen = %args.listen, "Serving counts.");
     let shutdown = crate::run::shutdown_on_signal();
-    tally::infra::http::serve(listener, router(reader), shutdown).await??;
+    tally::infra::http::spawn_upkeep(metrics.clone(), shutdown.clone());
+    tally::infra::http::serve(listener, router(reader, Some(metrics)), shutdown).await??;
     Ok(())
 }

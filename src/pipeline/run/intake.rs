@@ -20,7 +20,7 @@ use crate::pipeline::aggregate::Batch;
 use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::Rebalanced;
 use crate::pipeline::dead_letter::{DeadLetter, DeadLetters, Pending};
-use crate::pipeline::decode::{check_timestamp, decode};
+use crate::pipeline::decode::Decoder;
 
 /// A partition this consumer owns.
 pub(super) struct Owned {
@@ -150,6 +150,7 @@ pub(super) fn accept(
     message: &BorrowedMessage<'_>,
     timestamp: i64,
     routes: &RouteTable,
+    decoder: &Decoder,
     dead_letters: Option<&DeadLetters>,
 ) -> bool {
     let partition = message.partition();
@@ -161,7 +162,7 @@ pub(super) fn accept(
         return false;
     }
     let start = state.next.unwrap_or(offset);
-    match decode(message.payload()).and_then(|like| check_timestamp(timestamp).map(|()| like)) {
+    match decoder.event(message.payload(), timestamp) {
         Ok(like) => {
             let id = routes.counter(like.post_id, like.user_id, timestamp);
             let already_in = state.known.as_ref().is_some_and(|(_, t)| {
