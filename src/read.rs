@@ -1,8 +1,9 @@
 //! Read: a post's like count, summed over every key a writer may have used.
 //!
 //! Invariant: a read sums the base, every version listed in the post's
-//! route hash and every epoch of the default layout, both read *before* its
-//! counters, so by [`crate::domain::versions`] it never sums fewer keys than
+//! route hash or in its registry entry, and every epoch of the default
+//! layout, all read *before* its counters (the registry too, so that a
+//! failover that loses the route hash's copy of a version hides no keys), so by [`crate::domain::versions`] it never sums fewer keys than
 //! any writer uses; a read whose two steps take longer than
 //! [`READ_DEADLINE`] is started again.
 //!
@@ -81,12 +82,12 @@ impl From<RedisError> for ReadError {
 
 type Pending = watch::Receiver<Option<Result<Count, ReadError>>>;
 
-/// A one-key command: the command's name, the key and a hash field, if any.
+/// A one-key command: the command's name, the key and its further arguments.
 #[derive(Debug, Clone)]
 struct KeyCommand {
     name: &'static str,
     key: String,
-    field: Option<&'static str>,
+    args: Vec<String>,
 }
 
 impl KeyCommand {
@@ -94,7 +95,7 @@ impl KeyCommand {
         Self {
             name: "GET",
             key,
-            field: None,
+            args: Vec::new(),
         }
     }
 }
@@ -190,22 +191,25 @@ impl Reader {
         let (_, keys) = self.layout().await?;
         let replies = self
             .query(vec![
-                Self::defaults_command(&keys),
+                Self::registry_command(&keys, &[post_id]),
                 Self::route_command(&keys, post_id),
             ])
             .await?;
-        let defaults = self.defaults_from(&keys, &replies[0])?;
+        let (defaults, entries) = self.registry_from(&keys, &replies[0])?;
         let fields: Vec<(String, String)> =
             redis::from_redis_value_ref(&replies[1]).map_err(RedisError::from)?;
-        let meta = PostMeta::from_fields(&fields, &defaults);
+        let meta = PostMeta::from_fields(&fields, &defaults).with_entry(entries[0].as_deref());
         Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
     }
 
-    fn defaults_command(keys: &KeyLayout) -> KeyCommand {
+    /// The default layout and the registry entries of `posts`: one HMGET.
+    fn registry_command(keys: &KeyLayout, posts: &[u64]) -> KeyCommand {
+        let mut args = vec![DEFAULT_FIELD.to_string()];
+        args.extend(posts.iter().map(u64::to_string));
         KeyCommand {
-            name: "HGET",
+            name: "HMGET",
             key: keys.registry_key(),
-            field: Some(DEFAULT_FIELD),
+            args,
         }
     }
 
@@ -213,21 +217,30 @@ impl Reader {
         KeyCommand {
             name: "HGETALL",
             key: keys.route_key(post_id),
-            field: None,
+            args: Vec::new(),
         }
     }
 
-    /// The default layout from the registry's `default` field, remembered
-    /// for the next read's first round trip.
-    fn defaults_from(&self, keys: &KeyLayout, reply: &Value) -> Result<Defaults, RedisError> {
-        let entry: Option<String> = redis::from_redis_value_ref(reply)?;
+    /// The default layout (remembered for the next read's first round trip)
+    /// and the posts' registry entries, from a [`Self::registry_command`] reply.
+    fn registry_from(
+        &self,
+        keys: &KeyLayout,
+        reply: &Value,
+    ) -> Result<(Defaults, Vec<Option<String>>), RedisError> {
+        let mut entries: Vec<Option<String>> = redis::from_redis_value_ref(reply)?;
+        let entry = if entries.is_empty() {
+            None
+        } else {
+            entries.remove(0)
+        };
         let defaults = read_defaults(&keys.registry_key(), entry.as_deref(), self.inner.epoch0)?;
         *self
             .inner
             .defaults
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = defaults.clone();
-        Ok(defaults)
+        Ok((defaults, entries))
     }
 
     /// Fetches sent to Redis so far (each one or two pipelines, for any number of posts).
@@ -351,19 +364,20 @@ impl Reader {
             offsets.push((version, per_post));
             per_post += version.1 as usize;
         }
-        let mut first = vec![Self::defaults_command(&keys)];
+        let mut first = vec![Self::registry_command(&keys, posts)];
         first.extend(posts.iter().map(|&p| Self::route_command(&keys, p)));
         for &post in posts {
             first.extend(guess.keys(&keys, post).into_iter().map(KeyCommand::get));
         }
         let mut replies = self.query(first).await?;
         let values = replies.split_off(posts.len() + 1);
-        let defaults = self.defaults_from(&keys, &replies[0])?;
+        let (defaults, entries) = self.registry_from(&keys, &replies[0])?;
         let mut counts = Vec::with_capacity(posts.len());
         let mut extra: Vec<(usize, KeyCommand)> = Vec::new();
         for (i, (&post_id, fields)) in posts.iter().zip(&replies[1..]).enumerate() {
             let fields: Vec<(String, String)> = redis::from_redis_value_ref(fields)?;
-            let meta = PostMeta::from_fields(&fields, &defaults);
+            let entry = entries.get(i).and_then(Option::as_deref);
+            let meta = PostMeta::from_fields(&fields, &defaults).with_entry(entry);
             let mut likes = meta.base;
             for &(version, buckets) in &meta.versions {
                 if let Some(&(_, at)) = offsets.iter().find(|(v, _)| *v == (version, buckets)) {
@@ -404,10 +418,7 @@ impl Reader {
         let pipeline = |part: &[(usize, &KeyCommand)]| {
             let mut pipe = redis::pipe();
             for (_, command) in part {
-                pipe.cmd(command.name).arg(&command.key);
-                if let Some(field) = command.field {
-                    pipe.arg(field);
-                }
+                pipe.cmd(command.name).arg(&command.key).arg(&command.args);
             }
             pipe
         };

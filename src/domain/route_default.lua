@@ -5,7 +5,7 @@
 -- ARGV[2]  epoch 0's bucket count (the layout record's), used when the field is absent
 -- ARGV[3]  the bucket count of the new epoch
 -- ARGV[4]  grace in milliseconds: the epoch routes events stamped this long
---          after now (this server's clock) and later
+--          after now (the registry's clock, registry_clock.lua) and later
 --
 -- The field is "epoch:buckets:effective_ms" items joined by ";", oldest first,
 -- in the format of a post's entry; it only ever grows, and effective times
@@ -13,8 +13,7 @@
 -- added when the newest epoch already has ARGV[3] buckets.
 -- Returns {added (0 or 1), now_ms, entry}.
 
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local now_ms = registry_now(KEYS[1])
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then
   entry = '0:' .. ARGV[2] .. ':0'

@@ -6,11 +6,10 @@
 --          (milliseconds since the epoch); publications from then on take effect
 --          only after it
 -- Returns {now_ms, field1, value1, field2, value2, ...}; the clock, the raise and
--- the entries are one atomic step, so every version published after it is
+-- the entries are one atomic step (the clock is registry_clock.lua's), so every version published after it is
 -- effective later than both now_ms + grace and the final time.
 
-local now = redis.call('TIME')
-local reply = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)}
+local reply = {registry_now(KEYS[1])}
 if ARGV[1] then
   local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
   if final < tonumber(ARGV[1]) then

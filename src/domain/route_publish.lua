@@ -5,7 +5,7 @@
 -- ARGV[2]  the version to publish (reserved in the post's route hash beforehand)
 -- ARGV[3]  its bucket count
 -- ARGV[4]  grace in milliseconds: the version routes events stamped this long
---          after now (this server's clock) and later
+--          after now (the registry's clock, registry_clock.lua) and later
 -- ARGV[5]  the post's version-0 bucket count, used when it has no entry yet
 -- ARGV[6]  "1" to publish only if the post's latest bucket count is below ARGV[3]
 --          (automatic promotion: another consumer may have promoted it already)
@@ -38,8 +38,7 @@ if ARGV[6] == '1' and last_buckets >= buckets then
   return {0, entry}
 end
 
-local now = redis.call('TIME')
-local effective = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[4])
+local effective = registry_now(KEYS[1]) + tonumber(ARGV[4])
 -- Never at or before a time routing was made final for (route_fetch.lua).
 local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
 if effective <= final then

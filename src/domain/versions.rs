@@ -132,15 +132,27 @@ pub const AHEAD_MS: i64 = 500;
 /// A read of a post's route hash and counters must finish within this.
 pub const READ_DEADLINE: Duration = Duration::from_secs(2);
 
-static FETCH: Lua = Lua::new(include_str!("route_fetch.lua"));
+// The scripts that read the registry's clock start with its definition.
+static FETCH: Lua = Lua::new(concat!(
+    include_str!("registry_clock.lua"),
+    include_str!("route_fetch.lua")
+));
 static RESERVE: Lua = Lua::new(include_str!("route_reserve.lua"));
-static PUBLISH: Lua = Lua::new(include_str!("route_publish.lua"));
-static REBUCKET: Lua = Lua::new(include_str!("route_default.lua"));
+static PUBLISH: Lua = Lua::new(concat!(
+    include_str!("registry_clock.lua"),
+    include_str!("route_publish.lua")
+));
+static REBUCKET: Lua = Lua::new(concat!(
+    include_str!("registry_clock.lua"),
+    include_str!("route_default.lua")
+));
 
 /// The registry field that holds the default layout's epochs.
 pub const DEFAULT_FIELD: &str = "default";
 /// The registry field up to which routing is final (milliseconds since the epoch).
 pub const FINAL_FIELD: &str = "final";
+/// The registry field holding the highest clock it has answered with.
+pub const CLOCK_FIELD: &str = "clock";
 /// Raising the final time further than this ahead of the registry clock is logged.
 const FINAL_WARN_MS: i64 = 60_000;
 
@@ -428,6 +440,19 @@ impl PostMeta {
         meta
     }
 
+    /// Adds the versions of the post's registry entry (`entry`, as the
+    /// writers read it) that the route hash lacks: a failover may lose the
+    /// hash's copy of a version while the registry kept its own.
+    pub fn with_entry(mut self, entry: Option<&str>) -> Self {
+        for v in entry.and_then(parse_entry).unwrap_or_default() {
+            if v.version > 0 && !self.versions.iter().any(|&(k, _)| k == v.version) {
+                self.versions.push((v.version, v.buckets));
+            }
+        }
+        self.versions.sort_unstable();
+        self
+    }
+
     /// Every counter key of the post.
     pub fn keys(&self, layout: &KeyLayout, post_id: u64) -> Vec<String> {
         self.versions
@@ -558,6 +583,9 @@ impl Routes {
             }
             if pair[0] == FINAL_FIELD {
                 final_ms = pair[1].parse().unwrap_or(0);
+                continue;
+            }
+            if pair[0] == CLOCK_FIELD {
                 continue;
             }
             match (pair[0].parse::<u64>(), parse_entry(&pair[1])) {
@@ -863,6 +891,14 @@ mod tests {
         assert_eq!(meta.keys(&KeyLayout::new("t"), 5).len(), 88);
         let cold = PostMeta::from_fields(&[], &Defaults::fixed(4));
         assert_eq!(cold.versions, vec![(0, 4)]);
+        // A version the route hash lost is still summed from the registry.
+        let lost =
+            PostMeta::from_fields(&[], &Defaults::fixed(4)).with_entry(Some("0:4:0;1:64:900"));
+        assert_eq!(lost.versions, vec![(0, 4), (1, 64)]);
+        assert_eq!(
+            meta.clone().with_entry(Some("0:16:0;2:64:9")).versions,
+            meta.versions
+        );
         // Every epoch of the default layout is summed, for every post.
         let defaults = Defaults::parse(Some("0:4:0;1:1:100;2:8:200"), 4).unwrap();
         let rebucketed = PostMeta::from_fields(&fields, &defaults);

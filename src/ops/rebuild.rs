@@ -72,7 +72,7 @@ use tracing::{info, warn};
 use crate::domain::generation::{self, Record};
 use crate::domain::layout::OpenStore;
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::{DEFAULT_FIELD, FINAL_FIELD, wall_ms};
+use crate::domain::versions::{CLOCK_FIELD, DEFAULT_FIELD, FINAL_FIELD, wall_ms};
 use crate::infra::config::RunSettings;
 use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
@@ -183,7 +183,7 @@ async fn copy_routing(
         // hash: they live in the registry alone.
         if let Ok(post) = field.parse::<u64>() {
             copy_route_hash(store, from.route_key(post), to.route_key(post)).await?;
-        } else if field != DEFAULT_FIELD && field != FINAL_FIELD {
+        } else if ![DEFAULT_FIELD, FINAL_FIELD, CLOCK_FIELD].contains(&field.as_str()) {
             continue;
         }
         let registry = to.registry_key();
