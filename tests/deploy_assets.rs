@@ -868,6 +868,17 @@ fn compose_keeps_kafka_and_redis_on_volumes() {
         });
         assert!(mounted, "{dir} is not on a named volume: {mounts:?}");
     }
+    // Every redis-server repairs a torn AOF before it loads it.
+    for (name, service) in config["services"].as_hash().expect("services") {
+        let command = format!("{:?}", service["command"]);
+        if command.contains("redis-server") {
+            assert!(
+                command.contains("redis-check-aof --fix")
+                    && command.find("redis-check-aof") < command.find("redis-server"),
+                "{name:?} starts redis-server without redis-check-aof --fix first: {command}"
+            );
+        }
+    }
     let text = read(&repo().join("docker-compose.yml"));
     assert!(
         text.contains("down -v"),
