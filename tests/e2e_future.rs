@@ -3,7 +3,9 @@
 //! waits for either: every other event is counted within seconds. The day-ahead like is
 //! counted (on a cluster after routing was made final up to its time, which the gauge shows);
 //! the thousand-year one is dead-lettered as `timestamp_out_of_range`, the fixed rule for
-//! timestamps past 2100. On the cluster a rebuild from the topic gives the same counts.
+//! timestamps past 2100. On the cluster a rebuild from the topic gives the same counts, and a
+//! generation pointer set back by hand afterwards (a failover that lost the switch) is not
+//! followed: the live writer keeps writing the newer generation.
 
 mod cluster;
 mod common;
@@ -171,5 +173,50 @@ fn wrong_clocks_stall_nothing_on_a_cluster_and_a_rebuild_agrees() {
     assert!(status.success(), "rebuild:\n{}", rebuild.log_tail(40));
     let g1 = format!("{}:g1", run.prefix);
     assert_counts_eq(&cluster.read_counts(&g1), &truth);
+
+    // A failover that lost the switch: the pointer names generation 0 again. The live writer
+    // does not follow it back; it keeps writing generation 1, which readers read.
+    let node = format!("redis://127.0.0.1:{}/", cluster.primaries()[0].0);
+    let mut conn = redis::cluster::ClusterClient::new(vec![node])
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{}:generation", run.prefix))
+        .arg("current")
+        .arg(0)
+        .query(&mut conn)
+        .unwrap();
+    thread::sleep(Duration::from_secs(3));
+    let more = Workload::generate(run.seed ^ 0x9, 400, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        more.messages(0..more.events.len()),
+    );
+    let hwms = run.hwms(workload.events.len() + 2 + more.events.len());
+    cluster.wait_applied(
+        &g1,
+        &run.group,
+        &run.topic,
+        &hwms,
+        GROUPS,
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let mut both = truth.clone();
+    for (&post, &n) in &more.truth {
+        *both.entry(post).or_insert(0) += n;
+    }
+    assert_counts_eq(&cluster.read_counts(&g1), &both);
+    assert_counts_eq(&cluster.read_counts(&run.prefix), &truth);
+    assert!(
+        tally
+            .log_text()
+            .contains("The generation pointer went back"),
+        "the refusal is logged"
+    );
+    let text = scrape_metrics(&metrics);
+    assert!(metric_value(&text, "tally_generation_backwards_total").unwrap_or(0.0) >= 1.0);
     assert!(tally.sigterm_and_wait(Duration::from_secs(30)).success());
 }

@@ -49,6 +49,8 @@ pub const PROMOTIONS: &str = "tally_promotions_total";
 pub const READ_CACHE_HITS: &str = "tally_read_cache_hits_total";
 /// Count reads that had to sum the buckets in Redis.
 pub const READ_CACHE_MISSES: &str = "tally_read_cache_misses_total";
+/// Times the generation pointer named an older generation than the one written.
+pub const GENERATION_BACKWARDS: &str = "tally_generation_backwards_total";
 /// HTTP requests `tally serve` answered, by `route` and `status`.
 pub const READ_REQUESTS: &str = "tally_read_requests_total";
 /// Time `tally serve` took to answer, by `route`.
@@ -170,6 +172,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Messages not yet applied, by partition.",
     ),
     (
+        GENERATION_BACKWARDS,
+        Kind::Counter,
+        "Times the generation pointer named an older generation than the one written (not followed).",
+    ),
+    (
         READ_REQUESTS,
         Kind::Counter,
         "HTTP requests tally serve answered, by route and status.",
@@ -264,6 +271,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         SCRIPT_RELOADS,
         RESYNCS,
         COMMIT_FAILURES,
+        GENERATION_BACKWARDS,
         FUTURE_EVENTS,
         DEAD_LETTER_FAILURES,
         DEAD_LETTER_FAILURES,
@@ -344,6 +352,11 @@ pub fn describe_reads() {
     for name in [READ_CACHE_HITS, READ_CACHE_MISSES, READ_FETCHES] {
         counter!(name).absolute(0);
     }
+}
+
+/// Records a generation pointer that went back.
+pub fn generation_backwards() {
+    counter!(GENERATION_BACKWARDS).increment(1);
 }
 
 /// Records one answered HTTP request of the read path.

@@ -128,6 +128,8 @@ struct Following {
     current: u64,
     /// Since when new batches are held for a freeze.
     frozen_since: Option<Instant>,
+    /// An older generation the pointer named, once reported.
+    refused_back: Option<u64>,
 }
 
 impl Following {
@@ -370,6 +372,7 @@ async fn follow_pointer(
         current: watch.current().current,
         watch,
         frozen_since: None,
+        refused_back: None,
     }))
 }
 

@@ -9,13 +9,19 @@
 //! generation's fences. Nothing it buffered is carried over: the new fences
 //! alone say what is left to apply, and a write racing another writer of the
 //! same generation (the rebuild finishing its last batch) is settled by them.
+//!
+//! The pointer only moves forward. One that names an older generation (a
+//! failover lost the switch) is not followed: readers never go back either,
+//! so writers going back would write counts no reader reads. It is logged and
+//! counted (`tally_generation_backwards_total`), and the pipeline keeps
+//! writing the generation it has.
 
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use rdkafka::consumer::Consumer;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{Pipeline, RunError};
 use crate::domain::generation;
@@ -33,6 +39,18 @@ impl Pipeline {
             return Ok(());
         };
         let state = following.watch.current();
+        if state.current < following.current {
+            if following.refused_back != Some(state.current) {
+                following.refused_back = Some(state.current);
+                crate::infra::metrics::generation_backwards();
+                error!(
+                    pointer = state.current,
+                    writing = following.current,
+                    "The generation pointer went back (a failover lost the switch?); still writing the newer generation, which readers read. Set the pointer back to it (HSET <prefix>:generation current N)."
+                );
+            }
+            return Ok(());
+        }
         if state.current != following.current {
             return self.switch_generation(state.current, shutdown).await;
         }
