@@ -5,7 +5,8 @@
 //!   reader polling a likes-only hot post never saw it go down, nor below the old generation's
 //!   value once the pointer had moved;
 //! * FLUSHALL, then a rebuild restores every count, and `tally run` carries on in the new
-//!   generation; a later rebuild, killed and aborted, leaves no key behind;
+//!   generation; a later rebuild, whose abort is refused while it runs, killed and aborted,
+//!   leaves no key behind;
 //! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise;
 //! * `--from-timestamp` counts exactly the events stamped after it and says how many it skipped.
 
@@ -370,8 +371,19 @@ fn flushall_then_rebuild_restores_every_count() {
             .then_some(())
         },
     );
-    doomed.kill9();
+    // Not while it runs: the abort would delete keys under a live writer.
     let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
+    assert!(
+        !out.status.success() && output_text(&out).contains("is running"),
+        "{}",
+        output_text(&out)
+    );
+    doomed.kill9();
+    // Once it has been silent for ten seconds, it is taken for dead.
+    let out = wait_for("the abort", Duration::from_secs(30), || {
+        let out = tally_cli(&[&["rebuild", "--abort"], &refs[..]].concat());
+        out.status.success().then_some(out)
+    });
     assert!(
         output_text(&out).contains("dropped generation 2"),
         "{}",

@@ -204,19 +204,53 @@ pub struct Record {
     pub started_at_ms: i64,
     /// Whether the routing registry was copied into it.
     pub copied: bool,
+    /// When the rebuild process last said it runs (milliseconds since the
+    /// epoch; 0 if never): see [`heartbeat`].
+    pub alive_at_ms: i64,
+}
+
+impl Record {
+    /// Whether a rebuild process has said it runs within [`ALIVE_FOR`].
+    pub fn running(&self, now_ms: i64) -> bool {
+        now_ms - self.alive_at_ms < ALIVE_FOR.as_millis() as i64
+    }
+}
+
+/// A rebuild says it runs every [`HEARTBEAT_EVERY`]; one silent for this
+/// long is taken for dead.
+pub const ALIVE_FOR: Duration = Duration::from_secs(10);
+/// How often a running rebuild says so.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// Says, in the rebuild record, that the rebuild process runs.
+pub async fn heartbeat(store: &Shared, base: &str) -> Result<(), RedisError> {
+    let key = record_key(base);
+    let now = wall_ms();
+    store
+        .call(|mut s| async move {
+            redis::cmd("HSET")
+                .arg(&key)
+                .arg("alive_at_ms")
+                .arg(now)
+                .query_async::<()>(&mut s)
+                .await
+        })
+        .await
 }
 
 /// Reads the rebuild record; a record at or below the pointer is stale (its
 /// switch finished) and reads as `None`.
 pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, RedisError> {
     let key = record_key(base);
-    let (generation, started, copied): (Option<u64>, Option<i64>, Option<u8>) = store
+    type Fields = (Option<u64>, Option<i64>, Option<u8>, Option<i64>);
+    let (generation, started, copied, alive): Fields = store
         .call(|mut s| async move {
             redis::cmd("HMGET")
                 .arg(&key)
                 .arg("generation")
                 .arg("started_at_ms")
                 .arg("copied")
+                .arg("alive_at_ms")
                 .query_async(&mut s)
                 .await
         })
@@ -228,6 +262,7 @@ pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, R
             generation,
             started_at_ms: started.unwrap_or(0),
             copied: copied == Some(1),
+            alive_at_ms: alive.unwrap_or(0),
         }))
 }
 
@@ -244,6 +279,8 @@ pub async fn write_record(store: &Shared, base: &str, record: Record) -> Result<
                 .arg(record.started_at_ms)
                 .arg("copied")
                 .arg(u8::from(record.copied))
+                .arg("alive_at_ms")
+                .arg(record.alive_at_ms)
                 .query_async::<()>(&mut s)
                 .await
         })

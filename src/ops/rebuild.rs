@@ -335,6 +335,23 @@ pub async fn rebuild(
         stable_reads: 0,
     };
     let mode = rebuild_mode(&settings, &new, k);
+    let beating = stop.child_token();
+    let _beat = beating.clone().drop_guard();
+    let (beat_store, beat_base) = (store.clone(), prefix.to_string());
+    tokio::spawn(async move {
+        // `tally rebuild --abort` is refused while this says the rebuild runs.
+        let mut every = tokio::time::interval(generation::HEARTBEAT_EVERY);
+        loop {
+            tokio::select! {
+                _ = beating.cancelled() => return,
+                _ = every.tick() => {
+                    if let Err(error) = generation::heartbeat(&beat_store, &beat_base).await {
+                        warn!(%error, "Recording that the rebuild runs failed; retrying.");
+                    }
+                }
+            }
+        }
+    });
     let mut pipeline = tokio::spawn(run_with(rebuild_settings(&settings), mode, stop.clone()));
     let outcome = cut_over.run(&mut pipeline, &shutdown, progress).await;
     if !pipeline.is_finished() || outcome.is_ok() {
@@ -394,6 +411,7 @@ async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<Record, Red
         generation: current + 1,
         started_at_ms: wall_ms(),
         copied: false,
+        alive_at_ms: wall_ms(),
     };
     generation::write_record(store, prefix, record).await?;
     Ok(record)
@@ -595,6 +613,12 @@ pub async fn abort(settings: &RunSettings) -> Result<Aborted, OpError> {
         return Ok(Aborted::NothingToAbort);
     };
     let k = record.generation;
+    if record.running(wall_ms()) {
+        return Err(OpError::Refused(format!(
+            "the rebuild into generation {k} is running (it said so {} s ago); stop it first (Ctrl-C or SIGTERM), then abort",
+            (wall_ms() - record.alive_at_ms) / 1000
+        )));
+    }
     if generation::read_state(store, &prefix).await?.frozen_for == Some(k) {
         generation::unfreeze(store, &prefix).await?;
     }
