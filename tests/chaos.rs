@@ -10,7 +10,11 @@
 //! 5. `cluster`: Redis Cluster slot migration, SCRIPT FLUSH and a primary failover under load;
 //! 6. `broker-stop`: the broker SIGSTOPped for 30 s (a private Tansu), then SIGCONTed;
 //! 7. `script-flush`: SCRIPT FLUSH again and again mid-run;
-//! 8. `hostile`: malformed and edge-case messages mixed into real traffic.
+//! 8. `hostile`: malformed and edge-case messages mixed into real traffic;
+//! 9. `broker-empty`: the broker comes back empty while Redis keeps its fences: refused, then
+//!    counted again from the new log's start after `tally reset-fences`;
+//! 10. `wrong-clocks`: likes stamped a day and a thousand years ahead among real traffic, with
+//!     consumers SIGKILLed in between.
 //!
 //! `TALLY_CHAOS_MODE=quick|long` picks the sizes (default quick); `TALLY_CHAOS_ONLY=a,b` runs
 //! only the named scenarios. One table row per scenario is printed at the end; the test fails
@@ -110,7 +114,7 @@ impl Settings {
 
 type ScenarioFn = fn(&Settings, &mut Row, &mut Leaks);
 
-const SCENARIOS: [(&str, ScenarioFn); 8] = [
+const SCENARIOS: [(&str, ScenarioFn); 10] = [
     ("kills", processes::random_kills),
     ("scaling", processes::scaling),
     ("zombie", processes::zombie),
@@ -119,6 +123,8 @@ const SCENARIOS: [(&str, ScenarioFn); 8] = [
     ("broker-stop", input::broker_stop),
     ("script-flush", stores::script_flush),
     ("hostile", input::hostile),
+    ("broker-empty", input::broker_empty),
+    ("wrong-clocks", input::wrong_clocks),
 ];
 
 #[test]

@@ -1,4 +1,5 @@
-//! Faults on the Kafka side: a frozen broker, and hostile messages mixed into real traffic.
+//! Faults on the Kafka side: a frozen broker, a broker that comes back empty, producers whose
+//! clocks are wrong, and hostile messages mixed into real traffic.
 
 use std::collections::{BTreeSet, HashMap};
 use std::thread;
@@ -58,6 +59,113 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let hwms = run.hwms(w.events.len());
     settle_single(row, &run, &redis, &w.truth, &hwms, &mut [&mut tally]);
     stop_all(&mut [&mut tally]);
+}
+
+/// Scenario 9: the broker comes back empty (its data lost, as `docker compose down` with the
+/// Kafka volume removed does) while Redis keeps its fences. The consumer must refuse to start,
+/// naming the fence beyond the new log's end; after `tally reset-fences --yes` it counts the
+/// new log on top of the stored counts, so the truth is both waves together.
+pub fn broker_empty(s: &Settings, row: &mut Row, _: &mut Leaks) {
+    let redis = RedisServer::start();
+    let old = Broker::start_private();
+    let run = Scenario::on(old.addr(), "chaos_empty", "empty", PARTITIONS);
+    let mut first = Workload::new(run.seed, PARTITIONS);
+    let wave = first.grow(s.first_wave);
+    produce(&run.brokers, &run.topic, first.messages(wave));
+    let mut tally = Tally::spawn_args("consumer", &run.tally_args(&redis.url()));
+    let hwms = run.hwms(first.events.len());
+    let mut conn = redis.conn();
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(180), || {
+        tally.assert_running()
+    });
+    stop_all(&mut [&mut tally]);
+    drop(old);
+
+    let new = Broker::start_private();
+    create_topic_on(new.addr(), &run.topic, PARTITIONS);
+    let moved = Scenario {
+        brokers: new.addr().to_string(),
+        ..run
+    };
+    let args = moved.tally_args(&redis.url());
+    let mut second = Workload::new(moved.seed ^ 0xe3e3, PARTITIONS);
+    let wave = second.grow(s.first_wave / 10);
+    produce(&moved.brokers, &moved.topic, second.messages(wave));
+    let line = error_line(&run_refused(&args));
+    assert!(line.contains("but its fence says offset"), "{line}");
+    let mut reset = vec!["reset-fences".to_string(), "--yes".to_string()];
+    reset.extend(args.iter().cloned());
+    let reset: Vec<&str> = reset.iter().map(String::as_str).collect();
+    let out = tally_cli(&reset);
+    assert!(out.status.success(), "reset-fences: {}", output_text(&out));
+    let mut tally = Tally::spawn_args("consumer-2", &args);
+    let producer = moved.stream(second, s.chunk, s.pause);
+    thread::sleep(Duration::from_secs(3));
+    tally.kill9();
+    let mut tally = Tally::spawn_args("consumer-3", &args);
+    let second = producer.stop();
+    row.faults = "broker back empty: refused, reset-fences, 1 SIGKILL".to_string();
+    row.events = first.events.len() + second.events.len();
+    let mut truth = first.truth.clone();
+    for (&post, &n) in &second.truth {
+        *truth.entry(post).or_insert(0) += n;
+    }
+    let hwms = moved.hwms(second.events.len());
+    settle_single(row, &moved, &redis, &truth, &hwms, &mut [&mut tally]);
+    stop_all(&mut [&mut tally]);
+}
+
+/// Scenario 10: producers whose clocks are wrong. Among real traffic, likes stamped a day ahead
+/// (counted: nothing waits for them) and a thousand years ahead (dead-lettered as
+/// `timestamp_out_of_range`, so not in the truth), with consumers SIGKILLed in between.
+pub fn wrong_clocks(s: &Settings, row: &mut Row, _: &mut Leaks) {
+    let (_broker, run) = fresh_scenario("chaos_clocks", "clocks");
+    let redis = RedisServer::start();
+    let args = run.tally_args(&redis.url());
+    let mut tallies = vec![
+        Tally::spawn_args("consumer-a", &args),
+        Tally::spawn_args("consumer-b", &args),
+    ];
+    let producer = run.stream(Workload::new(run.seed, PARTITIONS), s.chunk, s.pause);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0xc10c);
+    let day = 86_400_000;
+    let mut ahead = HashMap::new();
+    let mut stamped = 0;
+    for round in 0..4 {
+        thread::sleep(Duration::from_secs(2));
+        for _ in 0..5 {
+            let post = 910_000_000 + rng.random_range(0..20u64);
+            let partition = rng.random_range(0..PARTITIONS);
+            let value = encode_like(post, rng.random(), LIKE, now_ms());
+            let far = rng.random_bool(0.5);
+            let stamp = if far { 1_000 * 365 * day } else { day };
+            produce_stamped(
+                &run.brokers,
+                &run.topic,
+                partition,
+                &value,
+                now_ms() + stamp,
+            );
+            if !far {
+                *ahead.entry(post).or_insert(0) += 1;
+            }
+            stamped += 1;
+        }
+        let victim = round % tallies.len();
+        tallies[victim].kill9();
+        tallies[victim] = Tally::spawn_args(&format!("consumer-{round}"), &args);
+    }
+    let w = producer.stop();
+    row.faults = format!("{stamped} likes a day or 1000 years ahead, 4 SIGKILL");
+    row.events = w.events.len() + ahead.values().sum::<i64>() as usize;
+    let mut truth = w.truth.clone();
+    for (&post, &n) in &ahead {
+        *truth.entry(post).or_insert(0) += n;
+    }
+    let hwms = run.hwms(w.events.len() + stamped);
+    let mut refs: Vec<&mut Tally> = tallies.iter_mut().collect();
+    settle_single(row, &run, &redis, &truth, &hwms, &mut refs);
+    stop_all(&mut refs);
 }
 
 /// One message to produce: key, value (`None` is a null value), partition.
