@@ -11,7 +11,7 @@
 //! ([`crate::pipeline::run::run_with`]), with the same scripts and fences. Two choices
 //! make the switch simple:
 //!
-//! * it reads with a Kafka group of its own (`<group>-rebuild-g<k>`, from the
+//! * it reads with a Kafka group of its own (`<group>-rebuild-g<k>-<start ms>`, from the
 //!   earliest retained offsets or `--from-timestamp`), but writes its fences
 //!   under the **live** group's name. Generation `k`'s fences are therefore
 //!   exactly the fences the live group will find there after the switch, and
@@ -128,7 +128,7 @@ pub enum Aborted {
         generation: u64,
         /// Keys deleted.
         keys: u64,
-        /// The consumer group it read with, whose offsets stay.
+        /// The consumer groups it read with (a pattern), whose offsets stay.
         kafka_group: String,
     },
 }
@@ -429,12 +429,21 @@ fn rebuild_settings(settings: &RunSettings) -> RunSettings {
 }
 
 /// The recounting pipeline reads with a group of its own and writes the
-/// live group's fences in generation `k` (see the module notes).
+/// live group's fences in generation `k` (see the module notes). Each
+/// rebuild process has a group of its own too: it resumes from the fences,
+/// never from the group's offsets, and a fresh group need not wait for the
+/// member of a killed predecessor to expire (nor, on a broker that keeps an
+/// expired member as the group's leader, wait for ever).
 fn rebuild_mode(settings: &RunSettings, keys: &KeyLayout, k: u64) -> Mode {
     Mode {
-        kafka_group: format!("{}-rebuild-g{k}", settings.kafka.group),
+        kafka_group: format!("{}-{}", rebuild_groups(&settings.kafka.group, k), wall_ms()),
         fixed_prefix: Some(keys.prefix().to_string()),
     }
+}
+
+/// The stem of the consumer groups that rebuild generation `k` of `group`.
+fn rebuild_groups(group: &str, k: u64) -> String {
+    format!("{group}-rebuild-g{k}")
 }
 
 /// The cut-over state machine, polled while the recounting pipeline runs.
@@ -630,6 +639,6 @@ pub async fn abort(settings: &RunSettings) -> Result<Aborted, OpError> {
     Ok(Aborted::Dropped {
         generation: k,
         keys,
-        kafka_group: format!("{}-rebuild-g{k}", settings.kafka.group),
+        kafka_group: format!("{}-*", rebuild_groups(&settings.kafka.group, k)),
     })
 }

@@ -122,7 +122,7 @@ pub fn wrong_clocks(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let (_broker, run) = fresh_scenario("chaos_clocks", "clocks");
     let redis = RedisServer::start();
     let args = run.tally_args(&redis.url());
-    let mut tallies = vec![
+    let mut tallies = [
         Tally::spawn_args("consumer-a", &args),
         Tally::spawn_args("consumer-b", &args),
     ];

@@ -167,7 +167,7 @@ pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<(
                 keys,
                 kafka_group,
             } => println!(
-                "dropped generation {generation} ({keys} keys); consumer group {kafka_group} keeps its offsets, which nothing reads"
+                "dropped generation {generation} ({keys} keys); consumer groups {kafka_group} keep offsets nothing reads"
             ),
         }
         return Ok(());
