@@ -26,7 +26,8 @@
 //!   fence       the pure apply / duplicate / straddle / gap decision
 //!   routing     the stable hash, buckets and the Redis key layout
 //!   slots       Redis Cluster hash slots and slot groups
-//!   versions    per-post routing versions (route_*.lua)
+//!   versions    routing versions of posts and epochs of the default layout;
+//!               registry: their Redis side (route_*.lua, registry_clock.lua)
 //!   generation  which key prefix is live: pointer, freeze flag, rebuild record
 //!   layout      a prefix's keys on the store the settings name, opened once
 //!   placement   slot owners, Binomial(N, 1/M) buckets per primary, scans

@@ -113,17 +113,16 @@
 //! covers a fixed set of slot groups, so another count is a rebuild into a
 //! new prefix.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::RedisError;
 use rustc_hash::FxHashMap;
-use tokio::sync::{Notify, watch};
-use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
 
 use crate::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, bucket_of, epoch_version};
-use crate::infra::store::{Lua, Shared};
+
+mod registry;
+
+pub use registry::{Published, Rebucketed, RouteWatch, Routes, Trigger};
 
 /// A new version routes events stamped this long after its publication.
 pub const GRACE_MS: i64 = 5_000;
@@ -132,29 +131,12 @@ pub const AHEAD_MS: i64 = 500;
 /// A read of a post's route hash and counters must finish within this.
 pub const READ_DEADLINE: Duration = Duration::from_secs(2);
 
-// The scripts that read the registry's clock start with its definition.
-static FETCH: Lua = Lua::new(concat!(
-    include_str!("registry_clock.lua"),
-    include_str!("route_fetch.lua")
-));
-static RESERVE: Lua = Lua::new(include_str!("route_reserve.lua"));
-static PUBLISH: Lua = Lua::new(concat!(
-    include_str!("registry_clock.lua"),
-    include_str!("route_publish.lua")
-));
-static REBUCKET: Lua = Lua::new(concat!(
-    include_str!("registry_clock.lua"),
-    include_str!("route_default.lua")
-));
-
 /// The registry field that holds the default layout's epochs.
 pub const DEFAULT_FIELD: &str = "default";
 /// The registry field up to which routing is final (milliseconds since the epoch).
 pub const FINAL_FIELD: &str = "final";
 /// The registry field holding the highest clock it has answered with.
 pub const CLOCK_FIELD: &str = "clock";
-/// Raising the final time further than this ahead of the registry clock is logged.
-const FINAL_WARN_MS: i64 = 60_000;
 
 /// One routing version of a post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -469,341 +451,11 @@ impl PostMeta {
     }
 }
 
-/// Why a publication was made; a label of the promotions metric.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trigger {
-    /// Hot-post detection inside `tally run`.
-    Auto,
-    /// `tally promote` or `tally demote`.
-    Manual,
-}
-
-impl Trigger {
-    /// The name metrics use (`tally_promotions_total{trigger}`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Auto => "auto",
-            Trigger::Manual => "manual",
-        }
-    }
-}
-
-/// The result of [`Routes::publish`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Published {
-    /// Whether a new version was added (automatic promotion skips a post
-    /// already promoted far enough).
-    pub added: bool,
-    /// The post's versions after the call.
-    pub versions: Vec<Version>,
-}
-
-/// The result of [`Routes::rebucket`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rebucketed {
-    /// Whether a new epoch was added (not when the newest already has the count).
-    pub added: bool,
-    /// The default layout after the call.
-    pub defaults: Defaults,
-    /// The registry clock when it was read (milliseconds since the epoch).
-    pub now_ms: i64,
-}
-
-/// Routing metadata in Redis: reading the registry and publishing versions.
-#[derive(Clone)]
-pub struct Routes {
-    store: Shared,
-    keys: KeyLayout,
-    epoch0: u32,
-}
-
-impl Routes {
-    /// Routing metadata under `keys`' prefix, on `store`; `epoch0` is version
-    /// 0's bucket count, from the layout record.
-    pub fn new(store: Shared, keys: KeyLayout, epoch0: u32) -> Self {
-        Self {
-            store,
-            keys,
-            epoch0,
-        }
-    }
-
-    /// The same metadata under another generation's keys.
-    pub fn with_keys(&self, keys: KeyLayout) -> Self {
-        Self {
-            keys,
-            ..self.clone()
-        }
-    }
-
-    /// Reads the registry and the registry server's clock.
-    pub async fn fetch(&self) -> Result<RouteTable, RedisError> {
-        self.fetch_raising(None).await
-    }
-
-    /// Makes routing final for events stamped up to `timestamp_ms` and
-    /// [`GRACE_MS`] beyond (no version published from now on takes effect at
-    /// or before that), and
-    /// reads the registry in the same step: the table returned routes such
-    /// an event for good.
-    pub async fn finalize(&self, timestamp_ms: i64) -> Result<RouteTable, RedisError> {
-        // With headroom: a producer whose clock runs a little fast then costs
-        // one raise per GRACE_MS, not one per event.
-        let table = self
-            .fetch_raising(Some(timestamp_ms.saturating_add(GRACE_MS)))
-            .await?;
-        let ahead_ms = table.final_ms - table.fetched_ms;
-        if ahead_ms > FINAL_WARN_MS {
-            warn!(
-                timestamp_ms,
-                ahead_secs = ahead_ms / 1000,
-                "Event stamped ahead of the registry clock: routing is now final up to its time, and routing versions published before then take effect only after it."
-            );
-        }
-        Ok(table)
-    }
-
-    async fn fetch_raising(&self, raise_to: Option<i64>) -> Result<RouteTable, RedisError> {
-        let registry = self.keys.registry_key();
-        let raise = raise_to.map(|ts| ts.to_string());
-        let args: Vec<&str> = raise.iter().map(String::as_str).collect();
-        let reply: Vec<redis::Value> = FETCH.call(&self.store, &[&registry], &args).await?;
-        let mut items = reply.into_iter();
-        let now: i64 = redis::from_redis_value(items.next().unwrap_or(redis::Value::Nil))?;
-        let rest: Vec<String> = items
-            .map(redis::from_redis_value::<String>)
-            .collect::<Result<_, _>>()?;
-        let mut posts = Vec::with_capacity(rest.len() / 2);
-        let mut defaults = None;
-        let mut final_ms = 0;
-        for pair in rest.chunks_exact(2) {
-            if pair[0] == DEFAULT_FIELD {
-                defaults = Some(self.defaults_of(Some(&pair[1]))?);
-                continue;
-            }
-            if pair[0] == FINAL_FIELD {
-                final_ms = pair[1].parse().unwrap_or(0);
-                continue;
-            }
-            if pair[0] == CLOCK_FIELD {
-                continue;
-            }
-            match (pair[0].parse::<u64>(), parse_entry(&pair[1])) {
-                (Ok(post), Some(versions)) => posts.push((post, versions)),
-                _ => warn!(field = %pair[0], "Unreadable routing registry entry ignored."),
-            }
-        }
-        let defaults = defaults.unwrap_or_else(|| Defaults::fixed(self.epoch0));
-        crate::infra::metrics::routing_final_ahead(final_ms - now);
-        Ok(RouteTable::new(defaults, now, posts).with_final(final_ms))
-    }
-
-    fn defaults_of(&self, entry: Option<&str>) -> Result<Defaults, RedisError> {
-        read_defaults(&self.keys.registry_key(), entry, self.epoch0)
-    }
-
-    /// Publishes a version of `post_id` with `buckets` buckets, in the order
-    /// the module doc proves safe. `latest` is the newest version the caller
-    /// knows of ([`RouteTable::latest`]); with [`Trigger::Auto`] nothing is
-    /// added unless the post's newest bucket count is below `buckets`.
-    pub async fn publish(
-        &self,
-        post_id: u64,
-        buckets: u32,
-        latest: Version,
-        trigger: Trigger,
-    ) -> Result<Published, RedisError> {
-        let route = self.keys.route_key(post_id);
-        // A default epoch is not one of the post's own version numbers.
-        let own_latest = if latest.version > DEFAULT_EPOCHS {
-            0
-        } else {
-            latest.version
-        };
-        let (version, v0): (u32, u32) = RESERVE
-            .call(
-                &self.store,
-                &[&route],
-                &[
-                    &buckets.to_string(),
-                    &self.epoch0.to_string(),
-                    &own_latest.to_string(),
-                ],
-            )
-            .await?;
-        let only_if_below = if trigger == Trigger::Auto { "1" } else { "0" };
-        let (added, entry): (i64, String) = PUBLISH
-            .call(
-                &self.store,
-                &[&self.keys.registry_key()],
-                &[
-                    &post_id.to_string(),
-                    &version.to_string(),
-                    &buckets.to_string(),
-                    &GRACE_MS.to_string(),
-                    &v0.to_string(),
-                    only_if_below,
-                    &latest.buckets.to_string(),
-                ],
-            )
-            .await?;
-        let versions = parse_entry(&entry).unwrap_or_default();
-        let added = added == 1;
-        let route_for = route.clone();
-        self.store
-            .call(|mut s| async move {
-                if added {
-                    let mode = if buckets > v0 { "hot" } else { "cold" };
-                    redis::pipe()
-                        .hset(&route_for, "version", version)
-                        .hset(&route_for, "mode", mode)
-                        .query_async::<()>(&mut s)
-                        .await
-                } else {
-                    // Never published, so never used by a writer: safe to drop.
-                    redis::cmd("HDEL")
-                        .arg(&route_for)
-                        .arg(format!("v{version}"))
-                        .query_async::<()>(&mut s)
-                        .await
-                }
-            })
-            .await?;
-        if added {
-            let effective = versions.last().map_or(0, |v| v.effective_ms);
-            info!(
-                post_id,
-                version,
-                buckets,
-                effective_ms = effective,
-                trigger = ?trigger,
-                "Routing version published."
-            );
-        }
-        Ok(Published { added, versions })
-    }
-
-    /// Publishes a new epoch of the default layout with `buckets` buckets,
-    /// effective [`GRACE_MS`] from now by the registry's clock.
-    pub async fn rebucket(&self, buckets: u32) -> Result<Rebucketed, RedisError> {
-        let (added, now_ms, entry): (i64, i64, String) = REBUCKET
-            .call(
-                &self.store,
-                &[&self.keys.registry_key()],
-                &[
-                    DEFAULT_FIELD,
-                    &self.epoch0.to_string(),
-                    &buckets.to_string(),
-                    &GRACE_MS.to_string(),
-                ],
-            )
-            .await?;
-        let defaults = self.defaults_of(Some(&entry))?;
-        let added = added == 1;
-        if added {
-            let newest = defaults.latest();
-            info!(
-                buckets,
-                epoch = newest.version - DEFAULT_EPOCHS,
-                effective_ms = newest.effective_ms,
-                "Default bucket count changed."
-            );
-        }
-        Ok(Rebucketed {
-            added,
-            defaults,
-            now_ms,
-        })
-    }
-}
-
 /// Milliseconds since the epoch by this machine's clock.
 pub fn wall_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// A writer's registry view, kept fresh by a background task.
-#[derive(Clone)]
-pub struct RouteWatch {
-    table: watch::Receiver<Arc<RouteTable>>,
-    wake: Arc<Notify>,
-    routes: Routes,
-}
-
-impl RouteWatch {
-    /// Reads the registry once (so the first events can be routed), then
-    /// re-reads it every `every` until `shutdown`.
-    pub async fn start(
-        routes: Routes,
-        every: Duration,
-        shutdown: CancellationToken,
-    ) -> Result<Self, RedisError> {
-        let first = routes.fetch().await?;
-        let (send, table) = watch::channel(Arc::new(first));
-        let wake = Arc::new(Notify::new());
-        let woken = wake.clone();
-        let watched = routes.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(every) => {}
-                    _ = woken.notified() => {}
-                }
-                match routes.fetch().await {
-                    Ok(table) => {
-                        crate::infra::metrics::routed_posts(table.routed_posts());
-                        if send.send(Arc::new(table)).is_err() {
-                            return;
-                        }
-                    }
-                    Err(error) => warn!(%error, "Reading the routing registry failed; retrying."),
-                }
-            }
-        });
-        Ok(Self {
-            table,
-            wake,
-            routes: watched,
-        })
-    }
-
-    /// The newest table.
-    pub fn current(&self) -> Arc<RouteTable> {
-        self.table.borrow().clone()
-    }
-
-    /// Asks for a read now instead of at the next interval.
-    pub fn refresh_soon(&self) {
-        self.wake.notify_one();
-    }
-
-    /// The table to route an event stamped `timestamp_ms` with. An event
-    /// stamped ahead of this table's reach is never waited for: on a
-    /// cluster the registry is made final up to its time first (see the
-    /// module doc); on a single server, where a batch applies all or nothing
-    /// under one fence, it is routed with the newest table as it is.
-    pub async fn route_for(&mut self, timestamp_ms: i64, cluster: bool) -> Arc<RouteTable> {
-        let table = self.current();
-        if table.readiness(timestamp_ms) == Readiness::Ready {
-            return table;
-        }
-        crate::infra::metrics::future_event();
-        if !cluster {
-            return table;
-        }
-        loop {
-            match self.routes.finalize(timestamp_ms).await {
-                Ok(table) => return Arc::new(table),
-                Err(error) => {
-                    warn!(timestamp_ms, %error, "Making routing final for an event stamped ahead failed; retrying.");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

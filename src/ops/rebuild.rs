@@ -337,21 +337,7 @@ pub async fn rebuild(
     let mode = rebuild_mode(&settings, &new, k);
     let beating = stop.child_token();
     let _beat = beating.clone().drop_guard();
-    let (beat_store, beat_base) = (store.clone(), prefix.to_string());
-    tokio::spawn(async move {
-        // `tally rebuild --abort` is refused while this says the rebuild runs.
-        let mut every = tokio::time::interval(generation::HEARTBEAT_EVERY);
-        loop {
-            tokio::select! {
-                _ = beating.cancelled() => return,
-                _ = every.tick() => {
-                    if let Err(error) = generation::heartbeat(&beat_store, &beat_base).await {
-                        warn!(%error, "Recording that the rebuild runs failed; retrying.");
-                    }
-                }
-            }
-        }
-    });
+    spawn_heartbeat(store.clone(), prefix.to_string(), beating);
     let mut pipeline = tokio::spawn(run_with(rebuild_settings(&settings), mode, stop.clone()));
     let outcome = cut_over.run(&mut pipeline, &shutdown, progress).await;
     if !pipeline.is_finished() || outcome.is_ok() {
@@ -368,6 +354,24 @@ pub async fn rebuild(
         prefix: new.prefix().to_string(),
         previous: current,
     })
+}
+
+/// Says in the rebuild record that this rebuild runs, until `stop`:
+/// `tally rebuild --abort` is refused meanwhile.
+fn spawn_heartbeat(store: Shared, base: String, stop: CancellationToken) {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(generation::HEARTBEAT_EVERY);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = every.tick() => {
+                    if let Err(error) = generation::heartbeat(&store, &base).await {
+                        warn!(%error, "Recording that the rebuild runs failed; retrying.");
+                    }
+                }
+            }
+        }
+    });
 }
 
 /// Finds the generation to fill and copies the routing registry into it
