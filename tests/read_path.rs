@@ -21,18 +21,7 @@ const DEFAULT_BUCKETS: u32 = 4;
 fn seed_counts(conn: &mut redis::Connection, prefix: &str) -> Vec<(u64, i64)> {
     let keys = KeyLayout::new(prefix);
     // What the first `tally run` on the prefix writes: version 0 has 4 buckets.
-    let _: () = redis::cmd("HSET")
-        .arg(format!("{prefix}:layout"))
-        .arg(&[
-            ("format", "1"),
-            ("buckets", "4"),
-            ("slot_groups", "1"),
-            ("topic", "likes"),
-            ("group", "tally"),
-            ("created_at_ms", "0"),
-        ])
-        .query(conn)
-        .unwrap();
+    write_layout_record(conn, prefix, 4);
     let set = |conn: &mut redis::Connection, id: CounterId, value: i64| {
         let _: () = redis::cmd("SET")
             .arg(keys.key_of(id))

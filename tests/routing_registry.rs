@@ -60,18 +60,7 @@ fn readers_take_versions_from_the_registry_too() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let prefix = unique("lost");
-    let _: () = redis::cmd("HSET")
-        .arg(format!("{prefix}:layout"))
-        .arg(&[
-            ("format", "1"),
-            ("buckets", "4"),
-            ("slot_groups", "1"),
-            ("topic", "likes"),
-            ("group", "tally"),
-            ("created_at_ms", "0"),
-        ])
-        .query(&mut conn)
-        .unwrap();
+    write_layout_record(&mut conn, &prefix, 4);
     let keys = KeyLayout::new(&prefix);
     let set = |conn: &mut redis::Connection, id: CounterId, value: i64| {
         let _: () = redis::cmd("SET")

@@ -272,6 +272,24 @@ impl Drop for RedisServer {
     }
 }
 
+/// Writes the layout record the first `tally run` on a single server would write for `prefix`,
+/// with `buckets` buckets: for tests that write counters by hand.
+pub fn write_layout_record(conn: &mut redis::Connection, prefix: &str, buckets: u32) {
+    let buckets = buckets.to_string();
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{prefix}:layout"))
+        .arg(&[
+            ("format", "1"),
+            ("buckets", buckets.as_str()),
+            ("slot_groups", "1"),
+            ("topic", "likes"),
+            ("group", "tally"),
+            ("created_at_ms", "0"),
+        ])
+        .query(conn)
+        .unwrap();
+}
+
 /// Sums every counter key (`<prefix>:likes:<post_id>:...`) per post.
 pub fn read_counts(conn: &mut redis::Connection, prefix: &str) -> HashMap<u64, i64> {
     let pattern = format!("{prefix}:likes:*");
