@@ -57,6 +57,8 @@ pub const READ_REQUESTS: &str = "tally_read_requests_total";
 pub const READ_SECONDS: &str = "tally_read_request_seconds";
 /// Fetches the read path sent to Redis (each one or two pipelines).
 pub const READ_FETCHES: &str = "tally_read_fetches_total";
+/// The metrics only `tally serve` records (its HTTP answers, by route).
+pub const SERVE_ONLY: [&str; 2] = [READ_REQUESTS, READ_SECONDS];
 /// Messages between a partition's last applied offset and its high
 /// watermark, by `partition`.
 pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
@@ -277,6 +279,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         DEAD_LETTER_FAILURES,
         READ_CACHE_HITS,
         READ_CACHE_MISSES,
+        READ_FETCHES,
         REBALANCES,
     ] {
         counter!(name).absolute(0);
