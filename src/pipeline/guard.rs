@@ -108,7 +108,8 @@ pub fn fit(resume: i64, low: i64, high: i64) -> LogFit {
     }
 }
 
-/// Checks a newly owned partition's resume offset against its log: refuses
+/// Checks a partition's resume offset against its log (at start, before the
+/// consumer fetches anything; see `run`): refuses
 /// a fence ahead of it, reports offsets retention deleted. A log whose
 /// watermarks cannot be read is logged and passed (the next assignment
 /// checks again).

@@ -195,6 +195,13 @@ pub async fn run_with(
         live: mode.fixed_prefix.is_none(),
     };
     let record = check_layout(&opened, &settings, first_start).await?;
+    check_logs(
+        &consumer,
+        &applier,
+        (&kafka.topic, partitions),
+        opened.url.shown(),
+    )
+    .await?;
     let route_stop = shutdown.child_token();
     let routes = Routes::new(
         applier.store().clone(),
@@ -235,14 +242,26 @@ pub async fn run_with(
     result
 }
 
-/// Checks each newly owned partition's fences against its log (see [`guard`]).
-fn check_logs(
+/// Checks every partition's fences against its log (see [`guard`]), once,
+/// before the consumer fetches anything: the broker is asked for the
+/// watermarks while nothing else of this consumer is in flight.
+async fn check_logs(
     consumer: &LikeConsumer,
-    topic: &str,
-    resumed: &[(i32, i64)],
+    applier: &Applier,
+    (topic, partitions): (&str, usize),
+    redis_shown: &str,
 ) -> Result<(), RunError> {
-    for &(partition, resume) in resumed {
-        tokio::task::block_in_place(|| guard::check_log(consumer, topic, partition, resume))?;
+    for partition in 0..partitions as i32 {
+        let fences = applier.read_fences(partition).await.map_err(|source| {
+            RunError::Redis(ConnectError {
+                url: redis_shown.to_string(),
+                source,
+            })
+        })?;
+        if let Some((_, tracker)) = fences.tracker() {
+            let resume = tracker.resume_at();
+            tokio::task::block_in_place(|| guard::check_log(consumer, topic, partition, resume))?;
+        }
     }
     Ok(())
 }
@@ -502,7 +521,7 @@ impl Pipeline {
                             let groups = self.applier.keys().groups().count() as usize;
                             let changed = intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes);
                             if changed.any { self.blocked = false; }
-                            check_logs(&self.consumer, &self.settings.kafka.topic, &changed.resumed)?;
+
                             let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
                             drop(message);
                             if accepted { self.after_accept(partition)?; }
@@ -559,7 +578,7 @@ impl Pipeline {
         if changed.any {
             self.blocked = false;
         }
-        check_logs(&self.consumer, &self.settings.kafka.topic, &changed.resumed)
+        Ok(())
     }
 
     fn after_accept(&mut self, partition: i32) -> Result<(), RunError> {

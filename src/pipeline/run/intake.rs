@@ -67,9 +67,6 @@ impl Owned {
 pub(super) struct Changed {
     /// Whether there were any.
     pub(super) any: bool,
-    /// Partitions newly owned whose fences are known, with the offset they
-    /// resume at: to be checked against their logs.
-    pub(super) resumed: Vec<(i32, i64)>,
 }
 
 /// Applies ownership changes. Borrows only what
@@ -83,9 +80,8 @@ pub(super) fn apply_changes(
     groups: usize,
     changes: Vec<Rebalanced>,
 ) -> Changed {
-    let mut changed = Changed {
+    let changed = Changed {
         any: !changes.is_empty(),
-        resumed: Vec::new(),
     };
     for change in changes {
         match change {
@@ -94,9 +90,6 @@ pub(super) fn apply_changes(
                 for a in assignments {
                     *epochs += 1;
                     let known = a.fences.as_ref().and_then(PartitionFences::tracker);
-                    if let Some((_, tracker)) = &known {
-                        changed.resumed.push((a.partition, tracker.resume_at()));
-                    }
                     owned.insert(
                         a.partition,
                         Owned {
