@@ -500,7 +500,7 @@ impl Pipeline {
         let mut tick = tokio::time::interval(tick_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            self.apply_rebalances()?;
+            self.apply_rebalances();
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
@@ -519,12 +519,13 @@ impl Pipeline {
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;
-                            let changed = intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes);
-                            if changed.any { self.blocked = false; }
+                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
+                                self.blocked = false;
+                            }
 
                             let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
                             drop(message);
-                            if accepted { self.after_accept(partition)?; }
+                            if accepted { self.after_accept(partition); }
                         }
                         Err(error) => warn!(%error, "Kafka consumer error."),
                     }
@@ -565,25 +566,23 @@ impl Pipeline {
     }
 
     /// Applies ownership changes queued by the rebalance callback.
-    fn apply_rebalances(&mut self) -> Result<(), RunError> {
+    fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
         let groups = self.applier.keys().groups().count() as usize;
-        let changed = intake::apply_changes(
+        if intake::apply_changes(
             &mut self.owned,
             &mut self.committer,
             &mut self.epochs,
             groups,
             changes,
-        );
-        if changed.any {
+        ) {
             self.blocked = false;
         }
-        Ok(())
     }
 
-    fn after_accept(&mut self, partition: i32) -> Result<(), RunError> {
+    fn after_accept(&mut self, partition: i32) {
         // Ownership changes queued during recv() take effect before anything else.
-        self.apply_rebalances()?;
+        self.apply_rebalances();
         let full = self
             .owned
             .get(&partition)
@@ -595,7 +594,6 @@ impl Pipeline {
                 .get(&partition)
                 .is_some_and(|s| s.batch.is_full(&self.limits));
         }
-        Ok(())
     }
 
     /// Dispatches every batch that is full or old enough (or any, when
@@ -833,9 +831,7 @@ impl Pipeline {
     /// scripts in flight, commit what landed.
     async fn drain(&mut self) {
         let deadline = tokio::time::Instant::now() + self.settings.batching.shutdown_timeout;
-        if let Err(error) = self.apply_rebalances() {
-            warn!(%error, "Stopping with a partition whose log does not fit its fences.");
-        }
+        self.apply_rebalances();
         self.dispatch_ready(true);
         while !self.in_flight.is_empty() {
             tokio::select! {

@@ -90,7 +90,7 @@ impl Pipeline {
         while let Some(joined) = self.in_flight.next().await {
             self.finish(joined)?;
         }
-        self.apply_rebalances()?;
+        self.apply_rebalances();
         if !self.write_generation(k, shutdown).await {
             return Ok(());
         }

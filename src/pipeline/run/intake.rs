@@ -62,14 +62,7 @@ impl Owned {
     }
 }
 
-/// What a batch of ownership changes did.
-#[derive(Debug, Default)]
-pub(super) struct Changed {
-    /// Whether there were any.
-    pub(super) any: bool,
-}
-
-/// Applies ownership changes. Borrows only what
+/// Applies ownership changes; `true` if there were any. Borrows only what
 /// it changes, so it can run while a received message still borrows the
 /// consumer: the callback that queued the changes ran inside that very
 /// `recv()`, and the message may belong to a partition assigned by it.
@@ -79,10 +72,8 @@ pub(super) fn apply_changes(
     epochs: &mut u64,
     groups: usize,
     changes: Vec<Rebalanced>,
-) -> Changed {
-    let changed = Changed {
-        any: !changes.is_empty(),
-    };
+) -> bool {
+    let any = !changes.is_empty();
     for change in changes {
         match change {
             Rebalanced::Assigned(assignments) => {
@@ -132,7 +123,7 @@ pub(super) fn apply_changes(
         metrics::assigned(owned.len());
         health::assigned(owned.len());
     }
-    changed
+    any
 }
 
 /// Adds one message to its partition's batch; `false` when it is not ours
