@@ -76,24 +76,25 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
     );
     count_all(&run, &mut conn, &args, first.events.len());
 
-    // The key of the second wave's first event is broken by hand, as a foreign writer or a typo
-    // in redis-cli would: every batch a start sends first holds it.
+    // A like of a post no wave holds opens the second wave, and its key is broken by hand, as a
+    // foreign writer or a typo in redis-cli would. Its key takes +1 in any batch that holds it
+    // (a key taken from the wave itself may net to zero in a batch, and a zero is not written),
+    // and every batch a start sends first holds it.
     let second = Workload::generate(run.seed ^ 0xbad, 3_000, 1);
-    let event =
-        <tally::domain::proto::LikeEvent as prost::Message>::decode(&second.events[0].1[..])
-            .expect("a LikeEvent");
-    let bucket = tally::domain::routing::bucket_of(event.user_id, 16);
-    let broken = format!("{}:likes:{}:{bucket}", run.prefix, event.post_id);
-    let kept: Option<String> = redis::cmd("GET").arg(&broken).query(&mut conn).unwrap();
+    let lone_post = (1u64 << 63) | (run.seed >> 1);
+    let lone_user = run.seed | 1;
+    let bucket = tally::domain::routing::bucket_of(lone_user, 16);
+    let broken = format!("{}:likes:{lone_post}:{bucket}", run.prefix);
     let _: () = redis::cmd("SET")
         .arg(&broken)
         .arg("x")
         .query(&mut conn)
         .unwrap();
+    let lone = encode_like(lone_post, lone_user, LIKE, now_ms());
     produce(
         &run.brokers,
         &run.topic,
-        second.messages(0..second.events.len()),
+        std::iter::once((None, lone, 0)).chain(second.messages(0..second.events.len())),
     );
     let mut last = None;
     for attempt in 1..=3 {
@@ -111,17 +112,12 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
         }
         last = Some(now);
     }
-    match kept {
-        Some(value) => redis::cmd("SET")
-            .arg(&broken)
-            .arg(value)
-            .query::<()>(&mut conn),
-        None => redis::cmd("DEL").arg(&broken).query::<()>(&mut conn),
-    }
-    .unwrap();
-    let total = first.events.len() + second.events.len();
+    let _: () = redis::cmd("DEL").arg(&broken).query(&mut conn).unwrap();
+    let total = first.events.len() + 1 + second.events.len();
     count_all(&run, &mut conn, &args, total);
-    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+    let mut truth = merged(&first.truth, &second.truth);
+    *truth.entry(lone_post).or_insert(0) += 1;
+    run.assert_exact(&mut conn, &truth);
 }
 
 #[test]
