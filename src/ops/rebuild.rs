@@ -324,6 +324,7 @@ pub async fn rebuild(
         new: new_applier,
         old: applier.with_keys(old),
         client,
+        brokers: kafka.brokers.clone(),
         topic: kafka.topic.clone(),
         partitions,
         goal,
@@ -460,10 +461,15 @@ struct CutOver {
     /// The current generation's fences.
     old: Applier,
     client: BaseConsumer,
+    brokers: String,
     topic: String,
+    /// The topic's partitions, those it gained since the start included.
     partitions: i32,
-    /// The last offset of each partition when the rebuild started.
+    /// The last offset of each partition when the rebuild started (`-1` for a
+    /// partition added since).
     goal: Vec<i64>,
+    /// Where each partition's recount began (a partition added since the
+    /// start begins at its first offset).
     origins: Vec<i64>,
     margin: i64,
     /// How long live pipelines take to see a freeze and land what is in flight.
@@ -531,6 +537,7 @@ impl CutOver {
     /// that held long enough, lift a freeze that took too long.
     async fn poll(&mut self, progress: &mut dyn FnMut(Snapshot<'_>)) -> Result<Step, OpError> {
         let k = self.generation;
+        self.follow_growth()?;
         let rebuilt = lowest_fences(&self.new, self.partitions).await?;
         let live = highest_fences(&self.old, self.partitions).await?;
         let marks = watermarks(&self.client, &self.topic, self.partitions)?;
@@ -539,18 +546,13 @@ impl CutOver {
             rebuilt: &rebuilt,
             marks: &marks,
         });
-        let targets: Vec<i64> = live
-            .iter()
-            .zip(&self.goal)
-            .map(|(&l, &g)| l.max(g))
-            .collect();
-        let within = |margin: i64| rebuilt.iter().zip(&targets).all(|(&r, &t)| r >= t - margin);
+        let within = |margin: i64| caught_up(&rebuilt, &live, &self.goal, margin);
         self.stable_reads = if self.last_live.as_ref() == Some(&live) {
             self.stable_reads + 1
         } else {
             0
         };
-        self.last_live = Some(live);
+        self.last_live = Some(live.clone());
         let Some(at) = self.frozen_at else {
             if within(self.margin) {
                 generation::freeze(&self.store, &self.prefix, k).await?;
@@ -583,6 +585,41 @@ impl CutOver {
         }
         Ok(Step::Wait)
     }
+}
+
+impl CutOver {
+    /// Takes in the partitions the topic gained since the rebuild began. The
+    /// recount reads them from their first offset, as live writers do once
+    /// they see them, and the switch waits until the new generation holds
+    /// everything the live one applied there.
+    fn follow_growth(&mut self) -> Result<(), OpError> {
+        let now = tokio::task::block_in_place(|| {
+            check_topic(&self.client, &self.brokers, &self.topic, "topic")
+        })? as i32;
+        if now <= self.partitions {
+            return Ok(());
+        }
+        info!(
+            generation = self.generation,
+            before = self.partitions,
+            now,
+            "The topic gained partitions during the rebuild; they are recounted from their start, and the switch waits for them too."
+        );
+        self.goal.resize(now as usize, -1);
+        self.origins.resize(now as usize, 0);
+        self.partitions = now;
+        Ok(())
+    }
+}
+
+/// Whether the new generation's lowest fences (`rebuilt`) are within
+/// `margin` offsets of what it must reach on every partition: the live
+/// generation's highest fence, and no less than the last offset at the start
+/// (`goal`). A partition missing from either list has nothing there (`-1`).
+fn caught_up(rebuilt: &[i64], live: &[i64], goal: &[i64], margin: i64) -> bool {
+    let at = |list: &[i64], p: usize| list.get(p).copied().unwrap_or(-1);
+    let partitions = rebuilt.len().max(live.len()).max(goal.len());
+    (0..partitions).all(|p| at(rebuilt, p) >= at(live, p).max(at(goal, p)) - margin)
 }
 
 /// Says loudly what a rebuild that starts above offset 0 cannot count.
@@ -645,4 +682,31 @@ pub async fn abort(settings: &RunSettings) -> Result<Aborted, OpError> {
         keys,
         kafka_group: format!("{}-*", rebuild_groups(&settings.kafka.group, k)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::caught_up;
+
+    #[test]
+    fn the_switch_waits_for_the_goal_and_the_live_fences() {
+        // Caught up with the start's last offsets and the live fences.
+        assert!(caught_up(&[99, 49], &[99, 49], &[99, 40], 0));
+        // Behind the start's last offset, though live writers are quiet.
+        assert!(!caught_up(&[98, 49], &[90, 49], &[99, 40], 0));
+        // Within the margin.
+        assert!(caught_up(&[95, 49], &[99, 49], &[99, 40], 5));
+    }
+
+    #[test]
+    fn a_partition_added_since_the_start_must_be_caught_up_too() {
+        // The topic grew to three partitions: the live generation applied up
+        // to offset 20 of the new one, which the recount has not reached.
+        assert!(!caught_up(&[99, 49, 10], &[99, 49, 20], &[99, 49, -1], 0));
+        // Nothing recorded yet in the new generation for it.
+        assert!(!caught_up(&[99, 49], &[99, 49, 20], &[99, 49, -1], 0));
+        assert!(caught_up(&[99, 49, 20], &[99, 49, 20], &[99, 49, -1], 0));
+        // An added partition nobody has written to yet holds nothing up.
+        assert!(caught_up(&[99, 49, -1], &[99, 49, -1], &[99, 49, -1], 0));
+    }
 }

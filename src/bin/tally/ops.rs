@@ -182,7 +182,7 @@ pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<(
         tally::ops::rebuild::rebuild(settings, options, shutdown_on_signal(), &mut |at| {
             progress
                 .get_or_insert_with(|| Progress::new(at.origins.to_vec(), every))
-                .update(at.rebuilt, at.marks)
+                .update(at.origins, at.rebuilt, at.marks)
         })
         .await;
     if let Some(progress) = &progress {

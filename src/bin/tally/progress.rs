@@ -57,8 +57,17 @@ impl Progress {
     }
 
     /// Shows the rebuild at `fences` (lowest per partition) against the
-    /// partitions' (low, high) watermarks.
-    pub fn update(&mut self, fences: &[i64], marks: &[(i64, i64)]) {
+    /// partitions' (low, high) watermarks. `origins` lists more partitions
+    /// than before when the topic grew; those get bars of their own.
+    pub fn update(&mut self, origins: &[i64], fences: &[i64], marks: &[(i64, i64)]) {
+        if origins.len() > self.origins.len() {
+            if let Some((multi, _, parts)) = &mut self.bars {
+                for p in parts.len()..origins.len() {
+                    parts.push(bar(multi, format!("p{p}")));
+                }
+            }
+            self.origins = origins.to_vec();
+        }
         let per: Vec<(i64, i64)> = self
             .origins
             .iter()
