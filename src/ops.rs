@@ -53,6 +53,9 @@ pub enum OpError {
     /// A pipeline the operation runs stopped with an error.
     #[error(transparent)]
     Run(#[from] RunError),
+    /// Publishing a routing version failed, or too few replicas held it.
+    #[error(transparent)]
+    Publish(#[from] crate::domain::versions::PublishError),
     /// A blocking task of the operation panicked.
     #[error("a worker task failed: {0}")]
     Task(#[from] tokio::task::JoinError),

@@ -112,6 +112,26 @@
 //! reason demotions are not. Slot groups cannot change this way: a fence
 //! covers a fixed set of slot groups, so another count is a rebuild into a
 //! new prefix.
+//!
+//! # Failovers
+//!
+//! The argument above holds for one primary. Redis replicates
+//! asynchronously, so a failover may lose the last writes to the registry
+//! and the route hashes. Three guards keep a lost write from moving an
+//! event's route or hiding a key:
+//!
+//! * The registry's clock never goes back (`registry_clock.lua` keeps the
+//!   highest time handed out in the field `clock`), so a replica promoted with
+//!   a slower clock cannot publish a version effective before one already
+//!   read.
+//! * Each step waits for `--registry-replicas` replicas (`WAIT`, see
+//!   [`crate::infra::store::Shared::replicate`]): a reservation the replicas
+//!   did not take in time is not published, since a failover could hand its
+//!   number out again; a publication or epoch they did not take is counted
+//!   (`tally_registry_unreplicated_total`), logged and alerted on.
+//! * Readers take a post's versions from its registry entry as well as from
+//!   its route hash, so losing one of the two hides no version that writers
+//!   used.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -122,7 +142,7 @@ use crate::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, bucket_of, ep
 
 mod registry;
 
-pub use registry::{Published, Rebucketed, RouteWatch, Routes, Trigger};
+pub use registry::{PublishError, Published, Rebucketed, RouteWatch, Routes, Trigger};
 
 /// A new version routes events stamped this long after its publication.
 pub const GRACE_MS: i64 = 5_000;

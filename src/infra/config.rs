@@ -22,7 +22,7 @@ use crate::infra::security::{
     SaslMechanism, SecurityProtocol, check_kafka_support, read_secret_file, url_has_password,
     with_password,
 };
-use crate::infra::store::RedisUrl;
+use crate::infra::store::{RedisUrl, ReplicaWait};
 
 /// Default Kafka bootstrap servers.
 pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
@@ -44,6 +44,8 @@ pub const DEFAULT_PROMOTE_ABOVE: u64 = 300;
 pub const DEFAULT_HOT_BUCKETS: u32 = 64;
 /// Default interval between reads of the routing registry (milliseconds).
 pub const DEFAULT_ROUTE_REFRESH_MS: u64 = 1_000;
+/// How long a routing version waits for its replicas, in milliseconds.
+pub const DEFAULT_REGISTRY_WAIT_MS: u64 = 1_000;
 /// Default age at which a partition's batch closes (milliseconds).
 pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
 /// Default messages after which a partition's batch closes.
@@ -538,6 +540,8 @@ pub struct HotSettings {
     pub hot_buckets: u32,
     /// How often the routing registry is read again.
     pub route_refresh: Duration,
+    /// The replicas a promotion waits for.
+    pub registry_wait: ReplicaWait,
 }
 
 impl Default for HotSettings {
@@ -546,6 +550,7 @@ impl Default for HotSettings {
             promote_above: DEFAULT_PROMOTE_ABOVE,
             hot_buckets: DEFAULT_HOT_BUCKETS,
             route_refresh: Duration::from_millis(DEFAULT_ROUTE_REFRESH_MS),
+            registry_wait: ReplicaWait::default(),
         }
     }
 }

@@ -73,6 +73,12 @@ pub const READY: &str = "tally_ready";
 pub const APPLIED_OFFSET: &str = "tally_applied_offset";
 /// Consumer group rebalances this consumer took part in.
 pub const REBALANCES: &str = "tally_rebalances_total";
+/// Routing metadata writes fewer replicas acknowledged than required, by
+/// `step` (`reserve`: the promotion was dropped; `publish`, `rebucket`:
+/// in force, but a failover may lose it).
+pub const REGISTRY_UNREPLICATED: &str = "tally_registry_unreplicated_total";
+/// The `step` labels of [`REGISTRY_UNREPLICATED`].
+pub const REGISTRY_STEPS: [&str; 3] = ["reserve", "publish", "rebucket"];
 
 /// Offsets never applied because they left the log first, by `reason`
 /// (`retention`: deleted before tally applied them).
@@ -199,6 +205,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Seconds between now and the newest applied event's Kafka timestamp while newer events wait (0 when caught up), by partition.",
     ),
     (
+        REGISTRY_UNREPLICATED,
+        Kind::Counter,
+        "Routing metadata writes fewer Redis replicas acknowledged than --registry-replicas asks, by step.",
+    ),
+    (
         DEAD_LETTER_FAILURES,
         Kind::Counter,
         "Dead-letter copies that failed and are retried; each holds its batch back.",
@@ -276,7 +287,6 @@ pub fn describe(bad_reasons: &[&'static str]) {
         GENERATION_BACKWARDS,
         FUTURE_EVENTS,
         DEAD_LETTER_FAILURES,
-        DEAD_LETTER_FAILURES,
         READ_CACHE_HITS,
         READ_CACHE_MISSES,
         READ_FETCHES,
@@ -286,6 +296,9 @@ pub fn describe(bad_reasons: &[&'static str]) {
     }
     for trigger in TRIGGERS {
         counter!(PROMOTIONS, "trigger" => trigger).absolute(0);
+    }
+    for step in REGISTRY_STEPS {
+        counter!(REGISTRY_UNREPLICATED, "step" => step).absolute(0);
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     gauge!(ROUTED_POSTS).set(0.0);
@@ -376,6 +389,11 @@ pub fn read_fetch() {
 /// Records a partition's lag in seconds.
 pub fn consumer_lag_seconds(partition: i32, seconds: f64) {
     gauge!(CONSUMER_LAG_SECONDS, "partition" => partition.to_string()).set(seconds);
+}
+
+/// Records a routing metadata write too few replicas acknowledged.
+pub fn registry_unreplicated(step: &'static str) {
+    counter!(REGISTRY_UNREPLICATED, "step" => step).increment(1);
 }
 
 /// Records a failed dead-letter copy.

@@ -14,6 +14,7 @@ use crate::domain::layout;
 use crate::domain::routing::version_name;
 use crate::domain::versions::{Published, Rebucketed, Routes, Trigger, Version};
 use crate::infra::config::StoreSettings;
+use crate::infra::store::{ReplicaWait, Replicated};
 use crate::ops::OpError;
 
 /// Buckets a post is promoted to when no count is given.
@@ -39,6 +40,8 @@ pub struct Change {
     /// for a promotion and the default layout's current count for a
     /// demotion.
     pub to_buckets: Option<u32>,
+    /// The replicas the version must reach before it is published.
+    pub wait: ReplicaWait,
 }
 
 /// The version a change published.
@@ -64,7 +67,7 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
     } = change;
     let (opened, record) = layout::open_for_reading(settings).await?;
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
-    let routes = Routes::new(opened.store, keys, record.buckets);
+    let routes = Routes::new(opened.store, keys, record.buckets).with_wait(change.wait);
     let table = routes.fetch().await?;
     let buckets = match (direction, change.to_buckets) {
         (_, Some(n)) => n,
@@ -120,11 +123,17 @@ pub struct DefaultChange {
     pub effective_in_ms: i64,
     /// Every epoch, oldest first.
     pub epochs: Vec<Version>,
+    /// What the replicas acknowledged of the new epoch.
+    pub replicated: Option<Replicated>,
 }
 
 /// Publishes a new default bucket count for every post without a version
 /// of its own, in the generation writers use now.
-pub async fn rebucket(settings: &StoreSettings, to_buckets: u32) -> Result<DefaultChange, OpError> {
+pub async fn rebucket(
+    settings: &StoreSettings,
+    to_buckets: u32,
+    wait: ReplicaWait,
+) -> Result<DefaultChange, OpError> {
     if to_buckets == 0 || to_buckets > 1 << 20 {
         return Err(OpError::Refused(
             "--to-buckets must be between 1 and 1048576".into(),
@@ -138,12 +147,13 @@ pub async fn rebucket(settings: &StoreSettings, to_buckets: u32) -> Result<Defau
         )));
     }
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
-    let routes = Routes::new(opened.store, keys, record.buckets);
+    let routes = Routes::new(opened.store, keys, record.buckets).with_wait(wait);
     let from_buckets = routes.fetch().await?.defaults().latest().buckets;
     let Rebucketed {
         added,
         defaults,
         now_ms,
+        replicated,
     } = routes.rebucket(to_buckets).await?;
     let newest = defaults.latest();
     Ok(DefaultChange {
@@ -152,5 +162,6 @@ pub async fn rebucket(settings: &StoreSettings, to_buckets: u32) -> Result<Defau
         newest,
         effective_in_ms: (newest.effective_ms - now_ms).max(0),
         epochs: defaults.epochs().to_vec(),
+        replicated,
     })
 }

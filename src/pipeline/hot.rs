@@ -23,12 +23,11 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use redis::RedisError;
 use rustc_hash::FxHashMap;
 use tracing::info;
 
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::{RouteTable, Routes, Trigger};
+use crate::domain::versions::{PublishError, RouteTable, Routes, Trigger};
 use crate::infra::store::Shared;
 
 /// Posts tracked per consumer and window.
@@ -182,7 +181,7 @@ impl Policy {
         keys: &KeyLayout,
         routes: &Routes,
         table: &RouteTable,
-    ) -> Result<Vec<u64>, RedisError> {
+    ) -> Result<Vec<u64>, PublishError> {
         if report.posts.is_empty() {
             return Ok(Vec::new());
         }

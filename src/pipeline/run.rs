@@ -207,7 +207,8 @@ pub async fn run_with(
         applier.store().clone(),
         applier.keys().clone(),
         record.buckets,
-    );
+    )
+    .with_wait(settings.hot.registry_wait);
     let watch = RouteWatch::start(
         routes.clone(),
         settings.hot.route_refresh,

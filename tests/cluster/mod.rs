@@ -111,6 +111,27 @@ impl Node {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// SIGSTOP: the node keeps its connections but answers nothing, as a
+    /// replica stuck on a slow disk or a lost network would.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`Node::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, which: &str) {
+        let child = self.child.as_ref().expect("a running node");
+        let status = Command::new("kill")
+            .arg(which)
+            .arg(child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {which} {}", child.id());
+    }
 }
 
 impl RedisCluster {
@@ -207,6 +228,37 @@ impl RedisCluster {
                 let port = addr.split(['@', ':']).nth(1)?.parse().ok()?;
                 Some((port, id))
             })
+            .collect()
+    }
+
+    /// Waits until every replica's link to its primary is up (the initial sync done).
+    pub fn wait_replicas_linked(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for port in self.replicas() {
+            loop {
+                let info: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query(&mut conn(port))
+                    .unwrap();
+                if info.contains("master_link_status:up") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "replica {port} not linked within 60 s"
+                );
+                thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Ports of the nodes that are replicas now.
+    pub fn replicas(&self) -> Vec<u16> {
+        let primaries: Vec<u16> = self.primaries().into_iter().map(|(p, _)| p).collect();
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some() && !primaries.contains(&n.port))
+            .map(|n| n.port)
             .collect()
     }
 

@@ -274,14 +274,25 @@ impl Drop for RedisServer {
 
 /// Writes the layout record the first `tally run` on a single server would write for `prefix`,
 /// with `buckets` buckets: for tests that write counters by hand.
-pub fn write_layout_record(conn: &mut redis::Connection, prefix: &str, buckets: u32) {
+pub fn write_layout_record(conn: &mut impl redis::ConnectionLike, prefix: &str, buckets: u32) {
+    write_layout_record_with(conn, prefix, buckets, 1);
+}
+
+/// [`write_layout_record`] with `slot_groups` slot groups, as on a cluster.
+pub fn write_layout_record_with(
+    conn: &mut impl redis::ConnectionLike,
+    prefix: &str,
+    buckets: u32,
+    slot_groups: u32,
+) {
     let buckets = buckets.to_string();
+    let slot_groups = slot_groups.to_string();
     let _: () = redis::cmd("HSET")
         .arg(format!("{prefix}:layout"))
         .arg(&[
             ("format", "1"),
             ("buckets", buckets.as_str()),
-            ("slot_groups", "1"),
+            ("slot_groups", slot_groups.as_str()),
             ("topic", "likes"),
             ("group", "tally"),
             ("created_at_ms", "0"),

@@ -15,7 +15,7 @@ use tally::ops::verify::{Report, VerifyOptions};
 use crate::errors::Problems;
 use crate::progress::Progress;
 use crate::run::{run_settings, shutdown_on_signal};
-use crate::settings::{RunArgs, StoreArgs};
+use crate::settings::{RegistryWaitArgs, RunArgs, StoreArgs};
 
 /// Settings of `tally promote` and `tally demote`.
 #[derive(Clone, Args)]
@@ -29,6 +29,9 @@ pub struct RouteArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Replicas the version waits for.
+    #[command(flatten)]
+    pub wait: RegistryWaitArgs,
 }
 
 /// Settings of `tally rebucket`.
@@ -41,6 +44,9 @@ pub struct RebucketArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Replicas the new epoch waits for.
+    #[command(flatten)]
+    pub wait: RegistryWaitArgs,
 }
 
 /// Settings of `tally gc`.
@@ -275,6 +281,7 @@ pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
         post_id: args.post_id,
         direction,
         to_buckets: args.to_buckets,
+        wait: args.wait.settings().map_err(|p| Problems(vec![p]))?,
     };
     let routed = tally::ops::promote::change_route(&store, change).await?;
     println!(
@@ -291,7 +298,8 @@ pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
 /// `tally rebucket`.
 pub async fn rebucket(args: &RebucketArgs) -> Result<()> {
     let store = args.store.settings().map_err(Problems)?;
-    let change = tally::ops::promote::rebucket(&store, args.to_buckets).await?;
+    let wait = args.wait.settings().map_err(|p| Problems(vec![p]))?;
+    let change = tally::ops::promote::rebucket(&store, args.to_buckets, wait).await?;
     let newest = change.newest;
     if !change.added {
         println!(

@@ -22,6 +22,7 @@ use tally::infra::config::{
     KafkaSettings, Password, RunSettings, StoreSettings,
 };
 use tally::infra::security::{SaslMechanism, SecurityProtocol};
+use tally::infra::store::ReplicaWait;
 
 pub mod layers;
 pub mod show;
@@ -115,6 +116,43 @@ impl Default for BucketsArg {
     }
 }
 
+/// How routing metadata waits for Redis replicas: the flags of every command
+/// that publishes it (`tally run`'s hot-post detection, promote, demote,
+/// rebucket).
+#[derive(Clone, Args, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", default)]
+#[command(next_help_heading = HOT)]
+pub struct RegistryWaitArgs {
+    /// Redis replicas that must acknowledge a routing version (WAIT) before it is published:
+    /// `auto` (one where the primaries have replicas, none where they have none) or a number.
+    #[arg(long, env = "TALLY_REGISTRY_REPLICAS", default_value = "auto")]
+    pub registry_replicas: String,
+
+    /// How long a routing version waits for --registry-replicas (milliseconds).
+    #[arg(long, env = "TALLY_REGISTRY_WAIT_MS", default_value_t = lib::DEFAULT_REGISTRY_WAIT_MS)]
+    pub registry_wait_ms: u64,
+}
+
+impl Default for RegistryWaitArgs {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl RegistryWaitArgs {
+    /// The wait these flags name.
+    pub fn settings(&self) -> Result<ReplicaWait, ConfigError> {
+        let replicas = self
+            .registry_replicas
+            .parse()
+            .map_err(|problem: &str| lib::bad("registry-replicas", problem))?;
+        Ok(ReplicaWait {
+            replicas,
+            timeout: Duration::from_millis(self.registry_wait_ms.max(1)),
+        })
+    }
+}
+
 /// The settings of `tally run`: each is a flag, a `TALLY_*` variable and a
 /// key of the `--config` file (flag > variable > file > default; see [`load`]).
 #[derive(Clone, Args, Serialize, Deserialize)]
@@ -170,6 +208,11 @@ pub struct RunArgs {
     /// new versions are known well before they take effect.
     #[arg(long, env = "TALLY_ROUTE_REFRESH_MS", default_value_t = lib::DEFAULT_ROUTE_REFRESH_MS, help_heading = HOT)]
     pub route_refresh_ms: u64,
+
+    /// Replicas routing versions wait for.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub registry_wait: RegistryWaitArgs,
 
     /// Close a partition's batch after this many messages.
     #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = lib::DEFAULT_BATCH_MAX_EVENTS, help_heading = BATCHING)]
@@ -282,6 +325,10 @@ impl RunArgs {
             problems.extend(p);
             StoreArgs::default().settings().expect("the defaults parse")
         });
+        let registry_wait = self.registry_wait.settings().unwrap_or_else(|p| {
+            problems.push(p);
+            ReplicaWait::default()
+        });
         let security = self.kafka_security().unwrap_or_else(|p| {
             problems.extend(p);
             KafkaSecurity::default()
@@ -301,6 +348,7 @@ impl RunArgs {
                 promote_above: self.promote_above,
                 hot_buckets: self.hot_buckets,
                 route_refresh: Duration::from_millis(self.route_refresh_ms),
+                registry_wait,
             },
             batching: Batching {
                 max_events: self.batch_max_events,

@@ -16,7 +16,7 @@ use super::{
     parse_entry, read_defaults,
 };
 use crate::domain::routing::{DEFAULT_EPOCHS, KeyLayout};
-use crate::infra::store::{Lua, Shared};
+use crate::infra::store::{Lua, ReplicaWait, Replicated, Shared};
 
 // The scripts that read the registry's clock start with its definition.
 static FETCH: Lua = Lua::new(concat!(
@@ -55,6 +55,26 @@ impl Trigger {
     }
 }
 
+/// Why [`Routes::publish`] published nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// A Redis call failed.
+    #[error(transparent)]
+    Redis(#[from] RedisError),
+    /// The reserved version reached fewer replicas than required in time;
+    /// it was not published, so no writer uses it.
+    #[error(
+        "{} of {} Redis replicas acknowledged the reserved routing version within {timeout_ms} ms; nothing was published (check replication, or set --registry-replicas)",
+        .replicated.acked, .replicated.wanted
+    )]
+    NotReplicated {
+        /// What the WAIT saw.
+        replicated: Replicated,
+        /// How long it waited.
+        timeout_ms: u64,
+    },
+}
+
 /// The result of [`Routes::publish`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Published {
@@ -74,6 +94,8 @@ pub struct Rebucketed {
     pub defaults: Defaults,
     /// The registry clock when it was read (milliseconds since the epoch).
     pub now_ms: i64,
+    /// What the replicas acknowledged of a new epoch.
+    pub replicated: Option<Replicated>,
 }
 
 /// Routing metadata in Redis: reading the registry and publishing versions.
@@ -82,6 +104,7 @@ pub struct Routes {
     store: Shared,
     keys: KeyLayout,
     epoch0: u32,
+    wait: ReplicaWait,
 }
 
 impl Routes {
@@ -92,7 +115,29 @@ impl Routes {
             store,
             keys,
             epoch0,
+            wait: ReplicaWait::default(),
         }
+    }
+
+    /// The same metadata, published only once `wait`'s replicas hold it.
+    pub fn with_wait(self, wait: ReplicaWait) -> Self {
+        Self { wait, ..self }
+    }
+
+    /// Waits for the replicas after `step`; a shortfall is logged and counted.
+    async fn replicate(&self, step: &'static str) -> Result<Replicated, RedisError> {
+        let replicated = self.store.replicate(self.wait).await?;
+        if replicated.short() {
+            crate::infra::metrics::registry_unreplicated(step);
+            warn!(
+                step,
+                acked = replicated.acked,
+                wanted = replicated.wanted,
+                timeout_ms = self.wait.timeout.as_millis() as u64,
+                "Routing metadata reached fewer Redis replicas than required in time; a failover now may lose it."
+            );
+        }
+        Ok(replicated)
     }
 
     /// The same metadata under another generation's keys.
@@ -179,7 +224,7 @@ impl Routes {
         buckets: u32,
         latest: Version,
         trigger: Trigger,
-    ) -> Result<Published, RedisError> {
+    ) -> Result<Published, PublishError> {
         let route = self.keys.route_key(post_id);
         // A default epoch is not one of the post's own version numbers.
         let own_latest = if latest.version > DEFAULT_EPOCHS {
@@ -198,6 +243,15 @@ impl Routes {
                 ],
             )
             .await?;
+        // A reservation a failover loses could be handed out again for other
+        // buckets: publish only what the replicas hold.
+        let reserved = self.replicate("reserve").await?;
+        if reserved.short() {
+            return Err(PublishError::NotReplicated {
+                replicated: reserved,
+                timeout_ms: self.wait.timeout.as_millis() as u64,
+            });
+        }
         let only_if_below = if trigger == Trigger::Auto { "1" } else { "0" };
         let (added, entry): (i64, String) = PUBLISH
             .call(
@@ -216,6 +270,9 @@ impl Routes {
             .await?;
         let versions = parse_entry(&entry).unwrap_or_default();
         let added = added == 1;
+        if added {
+            self.replicate("publish").await?;
+        }
         let route_for = route.clone();
         self.store
             .call(|mut s| async move {
@@ -267,6 +324,11 @@ impl Routes {
             .await?;
         let defaults = self.defaults_of(Some(&entry))?;
         let added = added == 1;
+        let replicated = if added {
+            Some(self.replicate("rebucket").await?)
+        } else {
+            None
+        };
         if added {
             let newest = defaults.latest();
             info!(
@@ -280,6 +342,7 @@ impl Routes {
             added,
             defaults,
             now_ms,
+            replicated,
         })
     }
 }
