@@ -202,20 +202,9 @@ pub async fn run_with(
         opened.url.shown(),
     )
     .await?;
-    let route_stop = shutdown.child_token();
-    let routes = Routes::new(
-        applier.store().clone(),
-        applier.keys().clone(),
-        record.buckets,
-    )
-    .with_wait(settings.hot.registry_wait);
-    let watch = RouteWatch::start(
-        routes.clone(),
-        settings.hot.route_refresh,
-        route_stop.clone(),
-    )
-    .await
-    .map_err(unreadable)?;
+    let (routes, watch, route_stop) = watch_routes(&applier, record.buckets, &settings, &shutdown)
+        .await
+        .map_err(unreadable)?;
     let dead_letters = dead_letters(&consumer, kafka)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     consumer.subscribe(&[&kafka.topic])?;
@@ -241,6 +230,21 @@ pub async fn run_with(
     let result = pipeline.consume(&shutdown).await;
     pipeline.drain().await;
     result
+}
+
+/// The routing metadata `applier` writes under, and the writers' view of it,
+/// kept fresh until the token returned (a child of `shutdown`) is cancelled.
+async fn watch_routes(
+    applier: &Applier,
+    buckets: u32,
+    settings: &RunSettings,
+    shutdown: &CancellationToken,
+) -> Result<(Routes, RouteWatch, CancellationToken), redis::RedisError> {
+    let stop = shutdown.child_token();
+    let routes = Routes::new(applier.store().clone(), applier.keys().clone(), buckets)
+        .with_wait(settings.hot.registry_wait);
+    let watch = RouteWatch::start(routes.clone(), settings.hot.route_refresh, stop.clone()).await?;
+    Ok((routes, watch, stop))
 }
 
 /// Checks every partition's fences against its log (see [`guard`]), once,

@@ -273,26 +273,8 @@ impl Routes {
         if added {
             self.replicate("publish").await?;
         }
-        let route_for = route.clone();
-        self.store
-            .call(|mut s| async move {
-                if added {
-                    let mode = if buckets > v0 { "hot" } else { "cold" };
-                    redis::pipe()
-                        .hset(&route_for, "version", version)
-                        .hset(&route_for, "mode", mode)
-                        .query_async::<()>(&mut s)
-                        .await
-                } else {
-                    // Never published, so never used by a writer: safe to drop.
-                    redis::cmd("HDEL")
-                        .arg(&route_for)
-                        .arg(format!("v{version}"))
-                        .query_async::<()>(&mut s)
-                        .await
-                }
-            })
-            .await?;
+        let mode = if buckets > v0 { "hot" } else { "cold" };
+        mark_route(&self.store, route, version, added.then_some(mode)).await?;
         if added {
             let effective = versions.last().map_or(0, |v| v.effective_ms);
             info!(
@@ -345,6 +327,37 @@ impl Routes {
             replicated,
         })
     }
+}
+
+/// Step (3) of a publication: marks the published `version` current in the
+/// route hash, with its `mode`; without one (not published) drops the
+/// reservation, which no writer ever used.
+async fn mark_route(
+    store: &Shared,
+    route: String,
+    version: u32,
+    mode: Option<&'static str>,
+) -> Result<(), RedisError> {
+    store
+        .call(|mut s| async move {
+            match mode {
+                Some(mode) => {
+                    redis::pipe()
+                        .hset(&route, "version", version)
+                        .hset(&route, "mode", mode)
+                        .query_async::<()>(&mut s)
+                        .await
+                }
+                None => {
+                    redis::cmd("HDEL")
+                        .arg(&route)
+                        .arg(format!("v{version}"))
+                        .query_async::<()>(&mut s)
+                        .await
+                }
+            }
+        })
+        .await
 }
 
 /// A writer's registry view, kept fresh by a background task.
