@@ -77,6 +77,16 @@ pub const REBALANCES: &str = "tally_rebalances_total";
 /// `step` (`reserve`: the promotion was dropped; `publish`, `rebucket`:
 /// in force, but a failover may lose it).
 pub const REGISTRY_UNREPLICATED: &str = "tally_registry_unreplicated_total";
+/// Where the time from a like's produce to its count goes, by `stage`
+/// (one of [`STAGES`]), measured once per batch on its first message.
+pub const STAGE_SECONDS: &str = "tally_stage_seconds";
+/// The `stage` labels of [`STAGE_SECONDS`]: `fetch` (from the message's
+/// timestamp to its receipt by the consumer), `batch` (from its receipt until
+/// its batch is sent to Redis), `script` (from sending until Redis answered,
+/// retries included). The offset commit comes after the count is visible and
+/// is not timed: librdkafka reports nothing back for an asynchronous manual
+/// commit.
+pub const STAGES: [&str; 3] = ["fetch", "batch", "script"];
 /// The `step` labels of [`REGISTRY_UNREPLICATED`].
 pub const REGISTRY_STEPS: [&str; 3] = ["reserve", "publish", "rebucket"];
 
@@ -138,6 +148,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Batch apply latency in seconds, retries included.",
     ),
     (BATCH_MESSAGES, Kind::Histogram, "Messages per batch."),
+    (
+        STAGE_SECONDS,
+        Kind::Histogram,
+        "Where produce-to-visible time goes, per batch's first message, by stage (fetch, batch, script).",
+    ),
     (REDIS_RETRIES, Kind::Counter, "Redis errors retried."),
     (
         SCRIPT_RELOADS,
@@ -391,6 +406,11 @@ pub fn consumer_lag_seconds(partition: i32, seconds: f64) {
     gauge!(CONSUMER_LAG_SECONDS, "partition" => partition.to_string()).set(seconds);
 }
 
+/// Records the time one batch's first message spent in `stage` (one of [`STAGES`]).
+pub fn stage(stage: &'static str, took: Duration) {
+    histogram!(STAGE_SECONDS, "stage" => stage).record(took.as_secs_f64());
+}
+
 /// Records a routing metadata write too few replicas acknowledged.
 pub fn registry_unreplicated(step: &'static str) {
     counter!(REGISTRY_UNREPLICATED, "step" => step).increment(1);
@@ -478,6 +498,13 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
             ][..],
         ),
         (BATCH_MESSAGES, &[1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6][..]),
+        (
+            STAGE_SECONDS,
+            &[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 10.0,
+            ][..],
+        ),
         (
             READ_SECONDS,
             &[

@@ -640,6 +640,9 @@ impl Pipeline {
         if state.pending_seek.is_some() {
             return;
         }
+        if !state.batch.is_empty() {
+            metrics::stage("batch", state.batch.age());
+        }
         let taken = match self.detector.as_mut() {
             Some(detector) => state
                 .batch
@@ -735,6 +738,9 @@ impl Pipeline {
             Err(source) => return Err(RunError::Apply { partition, source }),
         };
         let probe = done.start > done.last;
+        if !probe {
+            metrics::stage("script", done.took);
+        }
         let current = self
             .owned
             .get_mut(&partition)

@@ -146,6 +146,11 @@ pub(super) fn accept(
         return false;
     }
     let start = state.next.unwrap_or(offset);
+    if state.batch.is_empty() && timestamp > 0 {
+        // The latency breakdown samples each batch's first message.
+        let waited = (crate::domain::versions::wall_ms() - timestamp).max(0) as u64;
+        metrics::stage("fetch", std::time::Duration::from_millis(waited));
+    }
     match decoder.event(message.payload(), timestamp) {
         Ok(like) => {
             let id = routes.counter(like.post_id, like.user_id, timestamp);

@@ -48,6 +48,7 @@ use tally_run::{Latency, LatencyPlan};
 mod baseline;
 mod report;
 mod services;
+mod stages;
 mod tally_run;
 
 pub use baseline::Baseline;
@@ -163,6 +164,8 @@ struct Measured {
     /// CPU seconds the broker used during the phase.
     broker_cpu: Option<f64>,
     latency: Option<Latency>,
+    /// Where the latency phase's time went, by stage (tally only).
+    stages: Vec<stages::StageFigure>,
     checked: Option<(usize, usize)>,
 }
 

@@ -20,6 +20,7 @@ use rustc_hash::FxHashMap;
 
 use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command};
 use super::{BaselineArgs, Env, Measured, check_sample};
+use tally::domain::layout::Record;
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
 use tally::infra::config::DEFAULT_BUCKETS;
 
@@ -70,6 +71,20 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
                 .await?,
         ),
     };
+    if kind != Baseline::Raw {
+        // The layout the naive consumers write, recorded so tally's reader
+        // can check their counts as it checks tally's.
+        let opened = tally::domain::layout::open(&store).await?;
+        let record = Record {
+            format: tally::domain::layout::FORMAT,
+            buckets: DEFAULT_BUCKETS,
+            slot_groups: 1,
+            topic: config.topic.clone(),
+            group: config.group.clone(),
+            created_at_ms: tally::domain::versions::wall_ms(),
+        };
+        tally::domain::layout::ensure_record(&opened.store, store.prefix(), &record).await?;
+    }
     let keys = KeyLayout::new(store.prefix());
     let cap = Duration::from_secs(config.naive_max_secs);
     let mut handled = 0u64;
@@ -184,6 +199,7 @@ pub(super) fn measure(
         consumer_cpu: field("cpu_secs").map(|cpu| (cpu, events)),
         broker_cpu: broker_before.zip(broker_after).map(|(b, a)| a - b),
         latency: None,
+        stages: Vec::new(),
         checked: if writes && complete {
             Some(check_sample(&env.redis, &prefix, truth)?)
         } else {

@@ -280,6 +280,19 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
             thousands(l.target_rate)
         )?;
     }
+    if !o.tally.stages.is_empty() {
+        let parts: Vec<String> = o
+            .tally
+            .stages
+            .iter()
+            .map(|f| format!("{} {:.0} / {:.0} ms", f.stage, f.p50_ms, f.p99_ms))
+            .collect();
+        writeln!(
+            out,
+            "Where the time goes (tally_stage_seconds during the latency phase, one sample per batch, p50 / p99): {}.",
+            parts.join(", ")
+        )?;
+    }
     Ok(())
 }
 

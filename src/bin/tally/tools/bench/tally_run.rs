@@ -10,6 +10,7 @@
 //! share one partition, arrive in order and land in one key.
 
 use std::fs::File;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::sync::Arc;
@@ -22,7 +23,8 @@ use rustc_hash::FxHashMap;
 use super::services::{
     RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command, terminate, watermarks,
 };
-use super::{Env, Measured, check_sample};
+use super::{Env, Measured, check_sample, stages};
+use crate::tools::local::free_port;
 use crate::tools::produce::{Marker, Plan, Summary, progress_bar, send};
 use tally::domain::routing::{KeyLayout, bucket_of};
 use tally::generate::TrafficShape;
@@ -171,9 +173,13 @@ pub(super) fn measure(
         .rate
         .unwrap_or((measured.rate() * latency.load) as u64)
         .max(1);
+    let stages_before = stages::scrape(tally.metrics);
     let phase = latency_phase(env, topic, &prefix, shape, rate, latency.secs, truth);
     let figures = tally.or_stop(phase)?;
     measured.latency = Some(figures);
+    let stages_after = stages::scrape(tally.metrics);
+    let breakdown = stages_before.and_then(|before| Ok(stages_after?.since(&before)));
+    measured.stages = tally.or_stop(breakdown)?;
     let marks = settled_watermarks(&env.brokers, topic, partitions, total + figures.events)?;
     tally.until_caught_up(&marks, None)?;
     measured.rss_kib = peak_rss_kib(&tally.pid).or(measured.rss_kib);
@@ -204,6 +210,8 @@ struct TallyRun {
     /// The child's process id, as `/proc` names it.
     pid: String,
     watch: FenceWatch,
+    /// Where the child serves `/metrics`.
+    metrics: SocketAddr,
 }
 
 impl TallyRun {
@@ -217,6 +225,7 @@ impl TallyRun {
         watch: FenceWatch,
     ) -> Result<Self> {
         let log = File::create(log_path)?;
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let child = self_command()?
             .arg("run")
             .args([
@@ -228,6 +237,7 @@ impl TallyRun {
                 group,
             ])
             .args(["--redis", &env.redis, "--prefix", prefix])
+            .args(["--metrics-addr", &metrics.to_string()])
             .args(&env.kafka_args)
             .args(&env.tally_args)
             .env("TALLY_LOG", "info,rdkafka=warn")
@@ -236,7 +246,12 @@ impl TallyRun {
             .spawn()
             .context("starting tally run")?;
         let pid = child.id().to_string();
-        Ok(Self { child, pid, watch })
+        Ok(Self {
+            child,
+            pid,
+            watch,
+            metrics,
+        })
     }
 
     /// [`FenceWatch::until_caught_up`] on this child, stopping it on failure.
@@ -284,6 +299,7 @@ impl TallyRun {
             consumer_cpu: cpu_secs(&self.pid).map(|cpu| (cpu, total)),
             broker_cpu: before.broker_cpu.zip(after.broker_cpu).map(|(b, a)| a - b),
             latency: None,
+            stages: Vec::new(),
             checked: None,
         }
     }
