@@ -501,7 +501,9 @@ impl Pipeline {
     }
 
     async fn consume(&mut self, shutdown: &CancellationToken) -> Result<(), RunError> {
-        let tick_every = (self.flush_after / 2).max(Duration::from_millis(5));
+        // A batch is sent on the first tick after it is old enough: at most
+        // a quarter of the flush interval late.
+        let tick_every = (self.flush_after / 4).max(Duration::from_millis(5));
         let mut tick = tokio::time::interval(tick_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

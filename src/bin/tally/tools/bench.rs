@@ -52,7 +52,7 @@ mod stages;
 mod tally_run;
 
 pub use baseline::Baseline;
-use services::create_topic;
+use services::{create_topic, seal};
 
 use crate::settings::{StoreArgs, parse_key_value};
 
@@ -357,9 +357,10 @@ fn workload(
         produced.acked
     );
     let mut truth = produced.truth;
+    let backlog = produced.acked + seal(&env.brokers, &topic, &mut truth)?;
     let measure = |kind: Baseline| {
         eprintln!("{name}: {} consumer...", kind.name());
-        baseline::measure(kind, env, &topic, name, &truth, produced.acked)
+        baseline::measure(kind, env, &topic, name, &truth, backlog)
     };
     let raw = measure(Baseline::Raw)?;
     let naive = measure(Baseline::Naive)?;

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rustc_hash::FxHashMap;
+use tally::domain::proto::Action;
 
 pub use crate::tools::local::{create_topic, start_redis, start_tansu};
 
@@ -128,4 +130,45 @@ pub(super) fn terminate(child: &mut Child) {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The post the seals of [`seal`] like, far from generated ids and the marker.
+const SEAL_POST: u64 = 1 << 41;
+
+/// Ends every partition of `topic` with one like of [`SEAL_POST`] in a record
+/// batch of its own, and adds them to `truth`; returns how many were sent.
+///
+/// Tansu 0.6 reports a partition's high watermark as the first offset of its
+/// last record batch plus one. A log produced in large batches then ends,
+/// by its watermarks, up to a whole batch before its last message, and a
+/// wait for the watermarks to reach what was acknowledged never ends. A
+/// one-message batch at the end makes the watermark exact.
+pub(super) fn seal(brokers: &str, topic: &str, truth: &mut FxHashMap<u64, i64>) -> Result<u64> {
+    let producer: BaseProducer = tally::infra::config::kafka_client_config(brokers, &[])
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("batch.num.messages", "1")
+        .create()?;
+    let metadata = producer
+        .client()
+        .fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let partitions = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .map_or(0, |t| t.partitions().len() as u32);
+    let now_ms = tally::domain::versions::wall_ms();
+    for partition in 0..partitions as i32 {
+        let value = tally::pipeline::decode::encode(SEAL_POST, 1, Action::Like, now_ms);
+        producer
+            .send(
+                BaseRecord::<(), _>::to(topic)
+                    .payload(&value)
+                    .partition(partition),
+            )
+            .map_err(|(error, _)| error)?;
+    }
+    producer.flush(Duration::from_secs(30))?;
+    *truth.entry(SEAL_POST).or_insert(0) += i64::from(partitions);
+    Ok(u64::from(partitions))
 }

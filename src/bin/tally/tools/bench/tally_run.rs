@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use rustc_hash::FxHashMap;
 
 use super::services::{
-    RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command, terminate, watermarks,
+    RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, seal, self_command, terminate, watermarks,
 };
 use super::{Env, Measured, check_sample, stages};
 use crate::tools::local::free_port;
@@ -382,7 +382,7 @@ pub(super) struct Latency {
     pub reached_rate: u64,
     /// Marker likes timed.
     pub samples: usize,
-    /// Events the broker acknowledged during the phase.
+    /// Events the broker acknowledged during the phase, its seals included.
     pub events: u64,
 }
 
@@ -445,6 +445,7 @@ fn latency_phase(
     for (post, delta) in &summary.truth {
         *truth.entry(*post).or_insert(0) += delta;
     }
+    let sealed = seal(&env.brokers, topic, truth)?;
     let mut ms: Vec<f64> = summary
         .marker_acks
         .iter()
@@ -466,6 +467,6 @@ fn latency_phase(
         target_rate: rate,
         reached_rate: reached,
         samples: ms.len(),
-        events: summary.acked,
+        events: summary.acked + sealed,
     })
 }
