@@ -5,12 +5,14 @@
 //! as one user allowed every command but only the prefix's keys, so tally never touches a key
 //! outside its prefix; the counts stay exact throughout.
 
+mod cluster;
 mod common;
 
 use std::collections::HashMap;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use cluster::RedisCluster;
 use common::*;
 
 const PARTITIONS: i32 = 2;
@@ -55,21 +57,49 @@ fn published_rules() -> HashMap<String, Rule> {
     rules
 }
 
-/// The redis-server, its admin connection, and a fresh ACL user per attempt.
+/// Where the counts go: one redis-server, or a cluster of three primaries.
+enum Store {
+    Single(RedisServer),
+    Cluster(RedisCluster),
+}
+
+/// The store, an admin connection to each of its nodes, and a fresh ACL user per attempt
+/// (a cluster's nodes each keep their own users).
 struct Lab {
-    redis: RedisServer,
-    admin: redis::Connection,
+    store: Store,
+    admins: Vec<redis::Connection>,
     users: u32,
 }
 
+fn admin(port: u16) -> redis::Connection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
 impl Lab {
-    fn start() -> Lab {
-        let redis = RedisServer::start();
-        let admin = redis.conn();
+    fn start(store: Store) -> Lab {
+        let admins = Lab::ports_of(&store).into_iter().map(admin).collect();
         Lab {
-            redis,
-            admin,
+            store,
+            admins,
             users: 0,
+        }
+    }
+
+    fn ports_of(store: &Store) -> Vec<u16> {
+        match store {
+            Store::Single(redis) => vec![redis.port()],
+            Store::Cluster(cluster) => cluster.nodes.iter().map(|n| n.port).collect(),
+        }
+    }
+
+    /// Every post's count under `prefix`.
+    fn counts(&mut self, prefix: &str) -> HashMap<u64, i64> {
+        match &self.store {
+            Store::Single(_) => read_counts(&mut self.admins[0], prefix),
+            Store::Cluster(cluster) => cluster.read_counts(prefix),
         }
     }
 
@@ -90,12 +120,16 @@ impl Lab {
         for permission in rule {
             setuser.arg(permission);
         }
-        let _: () = setuser.query(&mut self.admin).expect("ACL SETUSER");
-        let _: () = redis::cmd("SCRIPT")
-            .arg("FLUSH")
-            .query(&mut self.admin)
-            .unwrap();
-        format!("redis://{name}:pw@127.0.0.1:{}/", self.redis.port())
+        for admin in &mut self.admins {
+            let _: () = setuser.query(admin).expect("ACL SETUSER");
+            let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(admin).unwrap();
+        }
+        match &self.store {
+            Store::Single(redis) => format!("redis://{name}:pw@127.0.0.1:{}/", redis.port()),
+            Store::Cluster(cluster) => cluster
+                .url()
+                .replace("redis+cluster://", &format!("redis+cluster://{name}:pw@")),
+        }
     }
 }
 
@@ -135,11 +169,16 @@ struct Step {
     run: Runner,
 }
 
-/// What the steps share: the topic, its events, the redis port.
+/// What the steps share: the topic, its events, the store's nodes.
 struct Ctx {
     run: Scenario,
     workload: Workload,
-    port: u16,
+    /// Every node of the store (every primary, on a cluster).
+    ports: Vec<u16>,
+    /// Slot groups, each with a fence per partition (1 on a single server).
+    groups: usize,
+    /// Arguments every command of `run`'s family takes here (`--slot-groups` on a cluster).
+    extra: Vec<String>,
     /// Likes of [`HOT_POST`] produced while `tally run` ran, on top of the workload.
     hot_likes: std::cell::Cell<i64>,
 }
@@ -154,6 +193,26 @@ impl Ctx {
         let mut truth = self.workload.truth.clone();
         *truth.entry(HOT_POST).or_insert(0) += self.hot_likes.get();
         truth
+    }
+
+    /// Whether every fence of `group` under `prefix` holds the last offset of its partition.
+    fn applied(&self, prefix: &str, group: &str, hwms: &[i64]) -> bool {
+        let topic = &self.run.topic;
+        let mut at_end = vec![0; hwms.len()];
+        for &port in &self.ports {
+            let mut conn = admin(port);
+            for key in scan_keys(&mut conn, &format!("{prefix}:fence:{group}:{topic}:*")) {
+                let rest = &key[format!("{prefix}:fence:{group}:{topic}:").len()..];
+                let partition: usize = rest.split(':').next().unwrap().parse().unwrap();
+                let value: Option<i64> = redis::cmd("GET").arg(&key).query(&mut conn).unwrap();
+                if value == Some(hwms[partition] - 1) {
+                    at_end[partition] += 1;
+                }
+            }
+        }
+        hwms.iter()
+            .zip(at_end)
+            .all(|(&hwm, n)| hwm == 0 || n == self.groups)
     }
 }
 
@@ -173,6 +232,7 @@ fn outcome(out: &Output) -> Result<String, String> {
 fn kafka_args(ctx: &Ctx, url: &str, prefix: &str, group: &str) -> Vec<String> {
     let mut args = tally_args(&ctx.run.brokers, &ctx.run.topic, group, url, prefix);
     args.extend(owned(&["--buckets", "32"]));
+    args.extend(ctx.extra.clone());
     args
 }
 
@@ -182,6 +242,7 @@ fn count_everything(ctx: &Ctx, url: &str, prefix: &str) -> Result<String, String
     let group = format!("{prefix}-group");
     let mut args = tally_args(&ctx.run.brokers, &ctx.run.topic, &group, url, prefix);
     args.extend(owned(&["--promote-above", "1", "--hot-buckets", "24"]));
+    args.extend(ctx.extra.clone());
     // Promotion needs a post above the threshold in two windows in a row: keep one coming.
     let hot = ctx
         .run
@@ -195,22 +256,13 @@ fn count_everything(ctx: &Ctx, url: &str, prefix: &str) -> Result<String, String
         tally.try_status().map(|_| false)
     });
     ctx.hot_likes.set(ctx.hot_likes.get() + hot.stop() as i64);
-    let admin = redis::Client::open(format!("redis://127.0.0.1:{}/", ctx.port)).unwrap();
-    let mut conn = admin.get_connection().unwrap();
     let hwms = high_watermarks(&ctx.run.brokers, &ctx.run.topic);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(status) = tally.try_status() {
             return Err(format!("exited {status}:\n{}", tally.log_text()));
         }
-        if applied_offsets(
-            &mut conn,
-            prefix,
-            &group,
-            &ctx.run.topic,
-            PARTITIONS as usize,
-        ) == hwms
-        {
+        if ctx.applied(prefix, &group, &hwms) {
             break;
         }
         assert!(
@@ -397,21 +449,33 @@ fn suite(
 }
 
 fn assert_exact(lab: &mut Lab, prefix: &str, truth: &HashMap<u64, i64>) {
-    assert_counts_eq(&read_counts(&mut lab.admin, prefix), truth);
+    assert_counts_eq(&lab.counts(prefix), truth);
 }
 
-fn setup() -> (Lab, Ctx) {
+/// Slot groups on the cluster.
+const CLUSTER_GROUPS: usize = 8;
+
+fn setup(store: Store) -> (Lab, Ctx) {
     let run = Scenario::new("e2e_redis_acl", "acl", PARTITIONS);
     let workload = Workload::generate(run.seed, EVENTS, PARTITIONS);
     produce(&run.brokers, &run.topic, workload.messages(0..EVENTS));
-    let lab = Lab::start();
-    let port = lab.redis.port();
+    let (groups, extra) = match store {
+        Store::Single(_) => (1, Vec::new()),
+        Store::Cluster(_) => (
+            CLUSTER_GROUPS,
+            owned(&["--slot-groups", &CLUSTER_GROUPS.to_string()]),
+        ),
+    };
+    let lab = Lab::start(store);
+    let ports = Lab::ports_of(&lab.store);
     (
         lab,
         Ctx {
             run,
             workload,
-            port,
+            ports,
+            groups,
+            extra,
             hot_likes: std::cell::Cell::new(0),
         },
     )
@@ -419,7 +483,7 @@ fn setup() -> (Lab, Ctx) {
 
 #[test]
 fn every_command_works_under_its_rule_and_fails_without_any_one_permission() {
-    let (mut lab, ctx) = setup();
+    let (mut lab, ctx) = setup(Store::Single(RedisServer::start()));
     let rules = published_rules();
     for step in steps() {
         assert!(
@@ -502,12 +566,12 @@ fn every_command_works_under_its_rule_and_fails_without_any_one_permission() {
 
 #[test]
 fn a_user_limited_to_the_prefix_runs_every_command() {
-    let (mut lab, ctx) = setup();
+    let (mut lab, ctx) = setup(Store::Single(RedisServer::start()));
     // A key outside the prefix that a stray command would read or write.
     let _: () = redis::cmd("SET")
         .arg("outside")
         .arg("1")
-        .query(&mut lab.admin)
+        .query(&mut lab.admins[0])
         .unwrap();
     let prefix = ctx.run.prefix.clone();
     let url = lab.user(&prefix, &["+@all"]);
@@ -520,8 +584,85 @@ fn a_user_limited_to_the_prefix_runs_every_command() {
     );
     let log: Vec<String> = redis::cmd("ACL")
         .arg("LOG")
-        .query(&mut lab.admin)
+        .query(&mut lab.admins[0])
         .map(|entries: Vec<redis::Value>| entries.iter().map(|e| format!("{e:?}")).collect())
         .unwrap();
     assert!(log.is_empty(), "Redis refused tally something: {log:?}");
+}
+
+/// What a cluster adds to every rule, from `tally docs acl`.
+fn published_cluster_addition() -> Vec<String> {
+    let out = tally_cli(&["docs", "acl"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    let added: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("| all, on a cluster |"))
+        .map(|l| {
+            let cell = l.split("` |").next().unwrap();
+            cell.trim_start_matches("| `+").replace("\\|", "|")
+        })
+        .collect();
+    assert!(!added.is_empty(), "no cluster addition published:\n{text}");
+    added
+}
+
+#[test]
+fn on_a_cluster_every_command_needs_its_rule_and_the_cluster_addition() {
+    let (mut lab, ctx) = setup(Store::Cluster(RedisCluster::start(3, 0)));
+    let rules = published_rules();
+    let added = published_cluster_addition();
+    let prefix = ctx.run.prefix.clone();
+    let rule_of = |name: &str, with_cluster: bool| -> Vec<String> {
+        let extra = if with_cluster {
+            added.clone()
+        } else {
+            Vec::new()
+        };
+        rules[name]
+            .all
+            .iter()
+            .chain(&extra)
+            .map(|p| format!("+{p}"))
+            .collect()
+    };
+    suite(
+        &mut lab,
+        &ctx,
+        &prefix,
+        &mut |lab, name| {
+            let rule = rule_of(name, true);
+            let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+            lab.user(&prefix, &rule)
+        },
+        &mut |lab, step| {
+            let rule = rule_of(step.name, false);
+            let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+            // `run` starts from nothing each time: its own prefix (and group).
+            let on = if step.name == "run" {
+                format!("{prefix}-without-cluster")
+            } else {
+                prefix.clone()
+            };
+            let url = lab.user(&on, &rule);
+            match (step.run)(&ctx, &url, &on) {
+                Err(said) => {
+                    for permission in &added {
+                        assert!(
+                            said.contains(&format!("'{permission}'")),
+                            "tally {} on a cluster without +{permission} failed without naming it:\n{said}",
+                            step.name
+                        );
+                    }
+                }
+                Ok(said) => panic!(
+                    "tally {} worked on a cluster without {added:?}:\n{said}",
+                    step.name
+                ),
+            }
+            eprintln!(
+                "[e2e_redis_acl] tally {} on a cluster refused without {added:?}",
+                step.name
+            );
+        },
+    );
 }
