@@ -158,8 +158,14 @@ const USES: &[(&str, &str)] = &[
         "eval",
         "a script's full text after NOSCRIPT (a restarted server, a failover)",
     ),
-    ("scan", "finding a generation's keys (`verify`, `gc`)"),
-    ("unlink", "removing old generations' keys"),
+    (
+        "scan",
+        "finding a generation's keys (`verify`, `gc`; `rebuild --abort` needs it too)",
+    ),
+    (
+        "unlink",
+        "removing old generations' keys (`gc`; `rebuild --abort` needs it too)",
+    ),
     (
         "config|get",
         "reading maxmemory-policy (refused, tally warns and goes on unchecked)",
