@@ -94,6 +94,26 @@ ensure_python_kafka() {
     say "installed confluent-kafka $(python3 -c 'import confluent_kafka; print(confluent_kafka.__version__)')"
 }
 
+# Installs schemathesis from PyPI (tests/serve_api.rs fuzzes `tally serve` against
+# docs/openapi.yaml with it). Brings python3 and pip from Debian first when they are missing.
+ensure_schemathesis() {
+    if command -v schemathesis >/dev/null 2>&1; then
+        return
+    fi
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
+            >/dev/null
+    fi
+    say "schemathesis not found: python3 -m pip install schemathesis==4.32.5"
+    # A Debian python3 refuses pip installs outside a virtualenv unless told (PEP 668).
+    python3 -m pip install --quiet schemathesis==4.32.5 2>/dev/null ||
+        python3 -m pip install --quiet --break-system-packages schemathesis==4.32.5
+    hash -r
+    say "installed $(schemathesis --version)"
+}
+
 # Installs buf from npm (tests/proto_contract.rs runs `buf lint` and `buf breaking` on proto/,
 # configured by buf.yaml). Brings Debian's npm first when it is missing.
 ensure_buf() {

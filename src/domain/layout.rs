@@ -40,7 +40,10 @@ use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 /// The format of the record this build writes and reads.
 pub const FORMAT: u32 = 1;
 
-static WRITE_RECORD: Lua = Lua::new(include_str!("layout_record.lua"));
+static WRITE_RECORD: Lua = Lua::new(concat!(
+    include_str!("../infra/acl_check.lua"),
+    include_str!("layout_record.lua")
+));
 
 /// A store opened from its settings.
 #[derive(Clone)]

@@ -8,6 +8,11 @@
 -- call created the record, 0 when one was already there (it is left as is).
 -- Two first starters with different settings cannot both write: the check
 -- and the write are one step.
+local refused = acl_refusal({{'EXISTS', KEYS[1]}, {'HSET', KEYS[1], 'f', 'v'}, {'HGETALL', KEYS[1]}})
+if refused then
+  return refused
+end
+
 local written = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV))

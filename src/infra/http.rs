@@ -6,20 +6,32 @@
 //! what the recorder holds and `/readyz` reads what [`crate::infra::health`]
 //! last saw, so a stalled dependency can never stall a probe or a scrape.
 //! Every task started here ends when the shutdown token is cancelled.
+//!
+//! The read API ([`limited`]) faces the network, so no request can hold more
+//! than its share: at most `max_concurrent` are handled at once (one more is
+//! answered 503 at once, never queued), each is answered within
+//! `request_timeout` (503 after it), and no body longer than `max_body_bytes`
+//! is read (413).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::{Request, State};
 use axum::http::header::{ALLOW, CONTENT_TYPE};
 use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
+
+use crate::infra::config::ServeLimits;
 
 /// How often histograms are drained into their buckets.
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);
@@ -141,5 +153,80 @@ fn text(status: StatusCode, body: String) -> Response {
         CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
+    response
+}
+
+/// `router` behind `limits`: a cap on requests in progress, a timeout for
+/// each, and a limit on the body read. Refusals are JSON, as the read API's
+/// answers are (`{"error": "..."}`).
+pub fn limited(router: Router, limits: &ServeLimits) -> Router {
+    let state = Arc::new(Limits {
+        permits: Semaphore::new(limits.max_concurrent),
+        limits: limits.clone(),
+    });
+    router.layer(middleware::from_fn_with_state(state, enforce))
+}
+
+struct Limits {
+    permits: Semaphore,
+    limits: ServeLimits,
+}
+
+async fn enforce(State(state): State<Arc<Limits>>, request: Request, next: Next) -> Response {
+    let Ok(_permit) = state.permits.try_acquire() else {
+        let mut response = refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "more than {} requests at once; try again shortly",
+                state.limits.max_concurrent
+            ),
+        );
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            HeaderValue::from_static("1"),
+        );
+        return response;
+    };
+    let timeout = state.limits.request_timeout;
+    let handled = within_body_limit(request, state.limits.max_body_bytes, next);
+    match tokio::time::timeout(timeout, handled).await {
+        Ok(response) => response,
+        Err(_) => refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("no answer within {} ms", timeout.as_millis()),
+        ),
+    }
+}
+
+/// Reads the body (at most `max` bytes; 413 beyond) before `next` runs, so
+/// no handler ever waits on a client's body.
+async fn within_body_limit(request: Request, max: usize, next: Next) -> Response {
+    let too_long = || {
+        refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request bodies are limited to {max} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return too_long();
+    }
+    let (parts, body) = request.into_parts();
+    match axum::body::to_bytes(body, max).await {
+        Ok(bytes) => next.run(Request::from_parts(parts, bytes.into())).await,
+        Err(_) => too_long(),
+    }
+}
+
+fn refusal(status: StatusCode, message: String) -> Response {
+    let body = serde_json::json!({ "error": message }).to_string();
+    let mut response = (status, body).into_response();
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }

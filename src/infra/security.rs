@@ -194,8 +194,12 @@ fn user_info(url: &str) -> Option<(usize, usize)> {
 }
 
 /// The URL with its password (if any) replaced by `***`; the user name stays.
+/// A URL typed without its `://` (`user:password@host`,
+/// `redis:/user:password@host`) is read from its start, so that the error
+/// that refuses it masks the password all the same.
 pub fn redact_url(url: &str) -> String {
-    match user_info(url) {
+    let typed_without_scheme = || url.rfind('@').map(|at| (0, at));
+    match user_info(url).or_else(typed_without_scheme) {
         Some((start, at)) => match url[start..at].split_once(':') {
             Some((user, _)) => format!("{}{user}:***{}", &url[..start], &url[at..]),
             None => url.to_string(),
@@ -310,6 +314,8 @@ mod tests {
             redact_url("redis+cluster://u:p@a:1,b:2"),
             "redis+cluster://u:***@a:1,b:2"
         );
+        assert_eq!(redact_url("alice:s3cret@h:6379"), "alice:***@h:6379");
+        assert_eq!(redact_url("redis:/alice:s3cret@h"), "redis:***@h");
         assert!(is_secret_key("sasl.password"));
         assert!(is_secret_key("ssl.key.password"));
         assert!(is_secret_key("sasl.oauthbearer.client.secret"));

@@ -15,6 +15,8 @@
 --   4 refused: {4, fence, i, error}: INCRBY refused KEYS[i] (a value that is not
 --     an integer, another type, an overflow); the deltas already added are taken
 --     back, so no count changes and the fence stays
+-- An error reply (NOPERM) when the caller's ACL lacks a command the script
+-- may call; nothing written.
 -- Codes 0-3 are the decision table of src/domain/fence.rs; the tests hold this
 -- script to it. A script that stopped on an error would keep the INCRBYs made
 -- before it, and every retry would add them again: hence pcall and the undo.
@@ -32,6 +34,17 @@ if fence + 1 < start then
 end
 if fence + 1 > start then
   return {2, fence}
+end
+
+-- Redis checks the commands of a script against the caller's ACL only as
+-- they run, so a user without one of them would stop the script half-way,
+-- its INCRBYs kept and the fence not moved; and its refusal names no
+-- command. Check them all before the first write (as acl_check.lua does for
+-- the other scripts; KEYS were checked when the script was called).
+for _, call in ipairs({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
+  if not redis.acl_check_cmd(unpack(call)) then
+    return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
+  end
 end
 
 -- A key that held 0 before its INCRBY (absent, or "0") is deleted by the

@@ -49,7 +49,26 @@ pub fn line(error: &anyhow::Error) -> String {
             line.push_str(&cause);
         }
     }
+    if let Some(hint) = acl_hint(&line) {
+        line.push_str(&hint);
+    }
     line
+}
+
+/// What to grant when Redis' NOPERM reply is in `line`: the permission it
+/// names, or the key pattern.
+pub fn acl_hint(line: &str) -> Option<String> {
+    const COMMAND: &str = "no permissions to run the '";
+    if let Some(at) = line.find(COMMAND) {
+        let rest = &line[at + COMMAND.len()..];
+        let permission = &rest[..rest.find('\'')?];
+        return Some(format!(
+            " (grant +{permission} to tally's Redis user; docs/security.md lists each command's rule)"
+        ));
+    }
+    line.contains("no permissions to access one of the keys").then(|| {
+        " (tally's Redis user needs the key pattern ~<prefix>:*; docs/security.md lists each command's rule)".to_string()
+    })
 }
 
 /// The start-up connection error inside `error`, wherever the library's
@@ -85,6 +104,8 @@ fn redis_line(error: &ConnectError) -> String {
             "Redis at {} refused the credentials: {} (check the user and password in --redis, TALLY_REDIS_PASSWORD or --redis-password-file)",
             error.url, error.source
         )
+    } else if let Some(hint) = acl_hint(&error.to_string()) {
+        format!("{error}{hint}")
     } else {
         format!("{error} (is redis-server running? check --redis / TALLY_REDIS)")
     }
@@ -133,6 +154,25 @@ mod tests {
             shown.ends_with("(is redis-server running? check --redis / TALLY_REDIS)"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn a_refused_command_names_the_permission_to_grant() {
+        let error = anyhow::anyhow!(
+            "partition 1: Redis refused the batch: NoPerm: this user has no permissions to run the 'config|get' command"
+        );
+        assert!(
+            line(&error).ends_with(
+                "the 'config|get' command (grant +config|get to tally's Redis user; docs/security.md lists each command's rule)"
+            ),
+            "{}",
+            line(&error)
+        );
+        let keys = anyhow::anyhow!(
+            "NoPerm: this user has no permissions to access one of the keys used as arguments"
+        );
+        assert!(line(&keys).contains("~<prefix>:*"), "{}", line(&keys));
+        assert_eq!(acl_hint("cannot reach Redis"), None);
     }
 
     #[test]

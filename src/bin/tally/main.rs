@@ -8,6 +8,7 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches};
 
 use cli::{Cli, Command};
 
+mod acl;
 mod cli;
 mod errors;
 mod inspect;

@@ -26,6 +26,8 @@ pub enum Docs {
     Config,
     /// Every metric tally exports, as docs/operations.md's markdown table.
     Metrics,
+    /// The Redis ACL rule of every command, as docs/security.md's markdown tables.
+    Acl,
 }
 
 /// The settings `matches` name with their variables and file, checked,
@@ -86,6 +88,7 @@ pub fn docs(docs: Docs) {
         Docs::HashVectors => print!("{}", hash_vectors_table()),
         Docs::Config => print!("{}", settings::show::settings_table()),
         Docs::Metrics => print!("{}", metrics_table()),
+        Docs::Acl => print!("{}", crate::acl::table()),
     }
 }
 

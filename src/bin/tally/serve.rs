@@ -1,7 +1,7 @@
 //! Serve: the read path over HTTP (`tally serve`).
 //!
 //! * `GET /v1/posts/{id}/likes` → `{"post_id": 1, "likes": 10, "as_of_ms": ...}`
-//! * `GET /v1/likes?post_id=1&post_id=2` (1 to [`MAX_IDS`] ids) →
+//! * `GET /v1/likes?post_id=1&post_id=2` (1 to `--max-ids` ids) →
 //!   `{"likes": [{"post_id": 1, ...}, ...]}`, in the order asked
 //! * `GET /healthz` → `{"status": "ok"}`
 //! * `GET /metrics` → Prometheus text: requests by route and status, their
@@ -9,8 +9,11 @@
 //!
 //! Invariant: every answer is JSON, errors included (`{"error": "..."}` with
 //! 400 for a bad or missing id or too many ids, 404 for an unknown path, 405
-//! for another method, 503 when Redis fails); a handler never panics on
-//! input. Counts come from [`tally::read::Reader`], with its cache.
+//! for another method, 413 for a body over `--max-body-bytes`, 503 when Redis
+//! fails, when `--max-concurrent-requests` are in progress or after
+//! `--request-timeout-ms`); a handler never panics on input. Counts come
+//! from [`tally::read::Reader`], with its cache. docs/openapi.yaml describes
+//! every route and answer.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -26,13 +29,11 @@ use axum::routing::get;
 use clap::Args;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
+use tally::infra::config::{self, ServeLimits};
 use tally::read::Reader;
 use tracing::info;
 
 use crate::settings::StoreArgs;
-
-/// Ids one `/v1/likes` request may ask for.
-pub const MAX_IDS: usize = 1_000;
 
 /// Settings of `tally serve`.
 #[derive(Clone, Args)]
@@ -43,9 +44,33 @@ pub struct ServeArgs {
     /// How long a count is served from the cache (milliseconds; 0 turns the cache off).
     #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = 1_000)]
     pub cache_ttl_ms: u64,
+    /// Post ids one /v1/likes request may ask for.
+    #[arg(long, env = "TALLY_MAX_IDS", default_value_t = config::DEFAULT_SERVE_MAX_IDS)]
+    pub max_ids: usize,
+    /// Largest request body read (bytes); a longer one is answered 413.
+    #[arg(long, env = "TALLY_MAX_BODY_BYTES", default_value_t = config::DEFAULT_SERVE_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Answer 503 to a request not answered within this long (milliseconds).
+    #[arg(long, env = "TALLY_REQUEST_TIMEOUT_MS", default_value_t = config::DEFAULT_SERVE_REQUEST_TIMEOUT_MS)]
+    pub request_timeout_ms: u64,
+    /// Requests handled at once; one more is answered 503 at once.
+    #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = config::DEFAULT_SERVE_MAX_CONCURRENT)]
+    pub max_concurrent_requests: usize,
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+}
+
+impl ServeArgs {
+    /// The request limits these flags name; every problem at once.
+    pub fn limits(&self) -> Result<ServeLimits, Vec<config::ConfigError>> {
+        ServeLimits::new(
+            self.max_ids,
+            self.max_body_bytes,
+            Duration::from_millis(self.request_timeout_ms),
+            self.max_concurrent_requests,
+        )
+    }
 }
 
 /// An error answer.
@@ -66,19 +91,24 @@ fn parse_id(raw: &str) -> Result<u64, Failure> {
         .map_err(|_| bad_request(format!("post id '{raw}' is not an unsigned 64-bit integer")))
 }
 
-async fn one(State(reader): State<Reader>, Path(raw): Path<String>) -> Result<Response, Failure> {
+/// What the handlers share: the reader and the batch limit.
+#[derive(Clone)]
+struct Api {
+    reader: Reader,
+    max_ids: usize,
+}
+
+async fn one(State(api): State<Api>, Path(raw): Path<String>) -> Result<Response, Failure> {
     let post = parse_id(&raw)?;
-    let count = reader
+    let count = api
+        .reader
         .count(post)
         .await
         .map_err(|e| Failure(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     Ok(Json(count).into_response())
 }
 
-async fn many(
-    State(reader): State<Reader>,
-    RawQuery(query): RawQuery,
-) -> Result<Response, Failure> {
+async fn many(State(api): State<Api>, RawQuery(query): RawQuery) -> Result<Response, Failure> {
     let query = query.unwrap_or_default();
     let mut posts = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -88,9 +118,10 @@ async fn many(
                 "unknown parameter '{name}'; use post_id=<id>, repeated"
             )));
         }
-        if posts.len() == MAX_IDS {
+        if posts.len() == api.max_ids {
             return Err(bad_request(format!(
-                "at most {MAX_IDS} post ids per request"
+                "at most {} post ids per request",
+                api.max_ids
             )));
         }
         posts.push(parse_id(value)?);
@@ -98,7 +129,8 @@ async fn many(
     if posts.is_empty() {
         return Err(bad_request("give at least one post_id=<id>"));
     }
-    let counts = reader
+    let counts = api
+        .reader
         .counts(&posts)
         .await
         .map_err(|e| Failure(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
@@ -124,8 +156,8 @@ async fn measured(request: Request, next: Next) -> Response {
     response
 }
 
-/// The HTTP routes over `reader`, with `/metrics` rendered by `metrics`.
-pub fn router(reader: Reader, metrics: Option<PrometheusHandle>) -> Router {
+/// The HTTP routes over `reader` behind `limits`, with `/metrics` rendered by `metrics`.
+pub fn router(reader: Reader, metrics: Option<PrometheusHandle>, limits: &ServeLimits) -> Router {
     let mut router = Router::new()
         .route("/v1/posts/{id}/likes", get(one))
         .route("/v1/likes", get(many))
@@ -150,17 +182,22 @@ pub fn router(reader: Reader, metrics: Option<PrometheusHandle>) -> Router {
             }),
         );
     }
-    router
+    let api = Api {
+        reader,
+        max_ids: limits.max_ids,
+    };
+    let router = router
         .fallback(|| async { Failure(StatusCode::NOT_FOUND, "no such path".into()) })
         .method_not_allowed_fallback(|| async {
             Failure(StatusCode::METHOD_NOT_ALLOWED, "only GET is served".into())
         })
-        .layer(middleware::from_fn(measured))
-        .with_state(reader)
+        .with_state(api);
+    tally::infra::http::limited(router, limits).layer(middleware::from_fn(measured))
 }
 
 /// Runs `tally serve` until SIGINT or SIGTERM.
 pub async fn serve(args: ServeArgs) -> Result<()> {
+    let limits = args.limits().map_err(crate::errors::Problems)?;
     let store = args.store.settings().map_err(crate::errors::Problems)?;
     let (opened, record) = tally::domain::layout::open_for_reading(&store).await?;
     let buckets = record.buckets;
@@ -178,6 +215,6 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     info!(listen = %args.listen, "Serving counts.");
     let shutdown = crate::run::shutdown_on_signal();
     tally::infra::http::spawn_upkeep(metrics.clone(), shutdown.clone());
-    tally::infra::http::serve(listener, router(reader, Some(metrics)), shutdown).await??;
+    tally::infra::http::serve(listener, router(reader, Some(metrics), &limits), shutdown).await??;
     Ok(())
 }

@@ -18,17 +18,24 @@ use super::{
 use crate::domain::routing::{DEFAULT_EPOCHS, KeyLayout};
 use crate::infra::store::{Lua, ReplicaWait, Replicated, Shared};
 
-// The scripts that read the registry's clock start with its definition.
+// Every script starts with the ACL check (acl_check.lua); those that read the
+// registry's clock then with its definition.
 static FETCH: Lua = Lua::new(concat!(
+    include_str!("../../infra/acl_check.lua"),
     include_str!("registry_clock.lua"),
     include_str!("route_fetch.lua")
 ));
-static RESERVE: Lua = Lua::new(include_str!("route_reserve.lua"));
+static RESERVE: Lua = Lua::new(concat!(
+    include_str!("../../infra/acl_check.lua"),
+    include_str!("route_reserve.lua")
+));
 static PUBLISH: Lua = Lua::new(concat!(
+    include_str!("../../infra/acl_check.lua"),
     include_str!("registry_clock.lua"),
     include_str!("route_publish.lua")
 ));
 static REBUCKET: Lua = Lua::new(concat!(
+    include_str!("../../infra/acl_check.lua"),
     include_str!("registry_clock.lua"),
     include_str!("route_default.lua")
 ));

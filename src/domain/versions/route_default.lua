@@ -13,6 +13,11 @@
 -- added when the newest epoch already has ARGV[3] buckets.
 -- Returns {added (0 or 1), now_ms, entry}.
 
+local refused = acl_refusal({{'TIME'}, {'HGET', KEYS[1], 'f'}, {'HSET', KEYS[1], 'f', 'v'}})
+if refused then
+  return refused
+end
+
 local now_ms = registry_now(KEYS[1])
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then

@@ -9,6 +9,11 @@
 -- the entries are one atomic step (the clock is registry_clock.lua's), so every version published after it is
 -- effective later than both now_ms + grace and the final time.
 
+local refused = acl_refusal({{'TIME'}, {'HGET', KEYS[1], 'f'}, {'HSET', KEYS[1], 'f', 'v'}, {'HGETALL', KEYS[1]}})
+if refused then
+  return refused
+end
+
 local reply = {registry_now(KEYS[1])}
 if ARGV[1] then
   local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')

@@ -17,6 +17,11 @@
 -- effect after the registry's "final" time too.
 -- Returns {published (0 or 1), entry}.
 
+local refused = acl_refusal({{'TIME'}, {'HGET', KEYS[1], 'f'}, {'HSET', KEYS[1], 'f', 'v'}})
+if refused then
+  return refused
+end
+
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then
   entry = '0:' .. ARGV[5] .. ':0'

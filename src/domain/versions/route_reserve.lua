@@ -9,6 +9,11 @@
 -- reader that reads this hash sums every key a writer may use.
 -- Returns {k, v0 buckets}.
 
+local refused = acl_refusal({{'HSETNX', KEYS[1], 'f', 'v'}, {'HGET', KEYS[1], 'f'}, {'HSET', KEYS[1], 'f', 'v'}, {'HINCRBY', KEYS[1], 'f', '1'}})
+if refused then
+  return refused
+end
+
 redis.call('HSETNX', KEYS[1], 'v0', ARGV[2])
 local seen = tonumber(ARGV[3])
 if tonumber(redis.call('HGET', KEYS[1], 'next') or '0') < seen then

@@ -1,0 +1,255 @@
+//! ACL: the Redis permissions each command needs, as docs/security.md
+//! publishes them (`tally docs acl`) and tests/e2e_redis_acl.rs grants them.
+//!
+//! Invariant: this table is the one statement of what tally sends to Redis.
+//! Every command it lists needs every permission of its rule (the test takes
+//! each one away and watches the command fail with Redis' NOPERM naming it,
+//! or warn naming it for the few published as warnings), and no command needs
+//! a key outside `~<prefix>:*`. Commands that Lua
+//! scripts call are checked against the same rule as the script itself, so
+//! they are listed beside `evalsha` and `eval`.
+
+use std::fmt::Write as _;
+
+/// One command's rule: what it cannot work without, and what only a check or
+/// a side task of it needs (refused: a warning naming the permission, and the
+/// command goes on without that part).
+pub struct Rule {
+    /// The command, as typed after `tally`.
+    pub command: &'static str,
+    /// Permissions it fails without.
+    pub needs: &'static [&'static str],
+    /// Permissions whose refusal is logged as a warning.
+    pub warns: &'static [&'static str],
+}
+
+/// Every command that talks to Redis, with its rule.
+pub const RULES: &[Rule] = &[
+    Rule {
+        command: "run",
+        needs: &[
+            "ping", "get", "set", "exists", "hget", "hmget", "hgetall", "hset", "incrby", "decrby",
+            "del", "time", "evalsha", "eval",
+        ],
+        warns: &["config|get", "hsetnx", "hincrby", "expire"],
+    },
+    Rule {
+        command: "count",
+        needs: &["ping", "get", "hmget", "hgetall"],
+        warns: &[],
+    },
+    Rule {
+        command: "serve",
+        needs: &["ping", "get", "hmget", "hgetall"],
+        warns: &[],
+    },
+    Rule {
+        command: "inspect",
+        needs: &["ping", "get", "hget", "hgetall"],
+        warns: &[],
+    },
+    Rule {
+        command: "promote",
+        needs: &[
+            "ping", "hget", "hmget", "hgetall", "hset", "hsetnx", "hincrby", "time", "evalsha",
+            "eval",
+        ],
+        warns: &[],
+    },
+    Rule {
+        command: "demote",
+        needs: &[
+            "ping", "hget", "hmget", "hgetall", "hset", "hsetnx", "hincrby", "time", "evalsha",
+            "eval",
+        ],
+        warns: &[],
+    },
+    Rule {
+        command: "rebucket",
+        needs: &[
+            "ping", "hget", "hmget", "hgetall", "hset", "time", "evalsha", "eval",
+        ],
+        warns: &[],
+    },
+    Rule {
+        command: "verify",
+        needs: &["ping", "get", "hget", "hmget", "hgetall", "scan"],
+        warns: &[],
+    },
+    Rule {
+        command: "rebuild",
+        needs: &[
+            "ping", "get", "set", "del", "exists", "hget", "hmget", "hgetall", "hset", "incrby",
+            "decrby", "time", "evalsha", "eval",
+        ],
+        warns: &["config|get"],
+    },
+    Rule {
+        command: "gc",
+        needs: &["ping", "hmget", "scan", "unlink"],
+        warns: &[],
+    },
+    Rule {
+        command: "reset-fences",
+        needs: &["ping", "get", "set", "del", "hget", "hmget", "hgetall"],
+        warns: &[],
+    },
+];
+
+/// What a cluster adds to every rule: the client and `tally inspect` read
+/// the slot map.
+pub const CLUSTER: &[&str] = &["cluster|slots"];
+
+/// What each permission is for.
+const USES: &[(&str, &str)] = &[
+    (
+        "ping",
+        "the connection check at start and the readiness probe",
+    ),
+    ("get", "counters, fences and the freeze flag"),
+    (
+        "set",
+        "fences (in the apply script, and when they are reset) and the freeze flag",
+    ),
+    (
+        "del",
+        "a counter the apply script created before a refusal; fences that are reset; the freeze flag",
+    ),
+    (
+        "exists",
+        "the layout record and the generation pointer (is this a store that lost everything?)",
+    ),
+    (
+        "hget",
+        "routing registry entries and the generation pointer",
+    ),
+    (
+        "hmget",
+        "the generation pointer, routing versions of many posts, hot-post windows",
+    ),
+    (
+        "hgetall",
+        "the layout record, a post's route hash, the registry",
+    ),
+    (
+        "hset",
+        "the layout record, routing versions, the generation and rebuild records",
+    ),
+    (
+        "hsetnx",
+        "version 0 of a post's route hash, once (refused, `run` promotes no hot post)",
+    ),
+    (
+        "hincrby",
+        "hot-post windows; a post's next routing version (refused, `run` promotes no hot post)",
+    ),
+    (
+        "expire",
+        "hot-post windows, which expire after a few seconds (refused, `run` promotes no hot post)",
+    ),
+    ("incrby", "counters, in the apply script"),
+    (
+        "decrby",
+        "the apply script's undo when Redis refuses one counter of a batch",
+    ),
+    ("time", "the registry's clock, in the routing scripts"),
+    ("evalsha", "every Lua script, sent by hash"),
+    (
+        "eval",
+        "a script's full text after NOSCRIPT (a restarted server, a failover)",
+    ),
+    (
+        "scan",
+        "finding a generation's keys (`verify`, `gc`; `rebuild --abort` needs it too)",
+    ),
+    (
+        "unlink",
+        "removing old generations' keys (`gc`; `rebuild --abort` needs it too)",
+    ),
+    (
+        "config|get",
+        "reading maxmemory-policy (refused, tally warns and goes on unchecked)",
+    ),
+    ("cluster|slots", "the slot map of a cluster"),
+];
+
+/// The rule `command` needs, as `ACL SETUSER` arguments after the key pattern.
+pub fn rule_text(rule: &Rule) -> String {
+    let mut text = String::from("-@all");
+    for permission in rule.needs.iter().chain(rule.warns) {
+        let _ = write!(text, " +{permission}");
+    }
+    text
+}
+
+/// Text for a markdown table cell (a `|` would end the cell).
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|")
+}
+
+/// docs/security.md's tables, printed by `tally docs acl`.
+pub fn table() -> String {
+    let mut out = String::from("| command | rule | refused, a warning |\n|---|---|---|\n");
+    for rule in RULES {
+        let warns: Vec<String> = rule
+            .warns
+            .iter()
+            .map(|p| format!("`+{}`", cell(p)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "| `tally {}` | `~<prefix>:* resetchannels {}` | {} |",
+            rule.command,
+            cell(&rule_text(rule)),
+            warns.join(" ")
+        );
+    }
+    out.push_str("\n| permission | commands | what for |\n|---|---|---|\n");
+    for &(permission, what) in USES {
+        let users: Vec<&str> = RULES
+            .iter()
+            .filter(|r| r.needs.contains(&permission) || r.warns.contains(&permission))
+            .map(|r| r.command)
+            .collect();
+        let users = if CLUSTER.contains(&permission) {
+            "all, on a cluster".to_string()
+        } else {
+            users.join(", ")
+        };
+        let _ = writeln!(out, "| `+{}` | {users} | {what} |", cell(permission));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_permission_is_explained_once() {
+        for rule in RULES {
+            for permission in rule.needs.iter().chain(rule.warns).chain(CLUSTER) {
+                let explained = USES.iter().filter(|(p, _)| p == permission).count();
+                assert_eq!(explained, 1, "+{permission} of `tally {}`", rule.command);
+            }
+        }
+        for (permission, _) in USES {
+            let used = RULES
+                .iter()
+                .any(|r| r.needs.contains(permission) || r.warns.contains(permission));
+            assert!(
+                used || CLUSTER.contains(permission),
+                "+{permission} is unused"
+            );
+        }
+    }
+
+    #[test]
+    fn the_security_document_publishes_the_rules() {
+        let security = include_str!("../../../docs/security.md");
+        assert!(
+            security.contains(&table()),
+            "docs/security.md's ACL tables are stale; regenerate them with `tally docs acl`"
+        );
+    }
+}
