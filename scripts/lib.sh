@@ -144,6 +144,17 @@ ensure_tansu() {
     cargo install tansu --version 0.6.0 --features dynostore --locked
 }
 
+# Installs a second Tansu build, with SQLite storage (the `libsql` feature), into
+# ~/.cargo/tansu-libsql: the memory storage keeps no SCRAM credentials, so a SCRAM login can only
+# succeed against this one (tests/e2e_kafka_security.rs). About as long to build as the first.
+ensure_tansu_libsql() {
+    if [ -x "$HOME/.cargo/tansu-libsql/bin/tansu" ]; then
+        return
+    fi
+    say "tansu with SQLite storage not found: cargo install tansu --version 0.6.0 --features libsql --locked --root ~/.cargo/tansu-libsql"
+    cargo install tansu --version 0.6.0 --features libsql --locked --root "$HOME/.cargo/tansu-libsql"
+}
+
 # True when nothing accepts connections on 127.0.0.1:$1.
 port_is_free() {
     ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null

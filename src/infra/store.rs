@@ -10,6 +10,12 @@
 //! URLs: `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS) for
 //! one server; `redis+cluster://[user:password@]host1:port1,host2:port2,...`
 //! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
+//!
+//! TLS: a [`Target`] carries the certificates of the `--redis-tls-*` files
+//! (a private CA, a client certificate and key) to every connection made
+//! from it, the cluster nodes found in the slot map included, so no
+//! connection falls back to the system's CAs or goes without the client
+//! certificate.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
