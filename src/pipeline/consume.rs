@@ -344,11 +344,23 @@ fn refusal_text(brokers: &str, refusal: &KafkaRefusal) -> String {
     }
 }
 
+/// [`check_topic`] for the topic `consumer` reads, with a refused login or
+/// handshake told apart from brokers that are not there (see [`explain`]).
+pub async fn check_consumed_topic(
+    consumer: &LikeConsumer,
+    kafka: &KafkaSettings,
+) -> Result<usize, TopicError> {
+    match check_topic(consumer, &kafka.brokers, &kafka.topic, "topic") {
+        Ok(partitions) => Ok(partitions),
+        Err(error) => Err(explain(consumer, error).await),
+    }
+}
+
 /// `error` as the brokers' refusal of tally's SASL login or TLS handshake,
 /// when librdkafka reported one: "unreachable" would send the operator
 /// looking for a broker that is there. librdkafka hands its errors and logs
 /// to the consumer's queue, so the queue is served briefly first.
-pub async fn explain(consumer: &LikeConsumer, error: TopicError) -> TopicError {
+async fn explain(consumer: &LikeConsumer, error: TopicError) -> TopicError {
     let TopicError::Unreachable { brokers, source } = error else {
         return error;
     };

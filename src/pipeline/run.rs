@@ -188,10 +188,7 @@ pub async fn run_with(
     );
     let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
     let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
-    let partitions = match consume::check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic") {
-        Ok(partitions) => partitions,
-        Err(error) => return Err(consume::explain(&consumer, error).await.into()),
-    };
+    let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
     let first_start = FirstStart {
         consumer: &consumer,
         partitions,
