@@ -46,6 +46,21 @@ ensure_build_deps() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+# Installs what the TLS tests need: openssl makes their private CA and certificates, and socat
+# terminates TLS in front of the Tansu broker (tests/e2e_kafka_security.rs; Tansu 0.6.0 serves no
+# TLS of its own).
+ensure_tls_tools() {
+    local missing=()
+    command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+    command -v socat >/dev/null 2>&1 || missing+=(socat)
+    if [ "${#missing[@]}" -eq 0 ]; then
+        return
+    fi
+    say "the TLS tests need ${missing[*]}: installing with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
 # Installs Debian's docker-compose (the deploy test checks docker-compose.yml with
 # `docker-compose config`; no container engine is needed for that).
 ensure_compose() {
@@ -144,9 +159,30 @@ ensure_tansu() {
     if [ -n "$(tansu_path)" ]; then
         return
     fi
-    say "tansu not found: cargo install tansu --version 0.6.0 --features dynostore --locked"
-    say "(about 25 minutes on a 2-core machine the first time)"
-    cargo install tansu --version 0.6.0 --features dynostore --locked
+    # One build serves both: memory storage for the tests, SQLite storage for the SCRAM logins of
+    # tests/e2e_kafka_security.rs (see ensure_tansu_libsql).
+    say "tansu not found: cargo install tansu --version 0.6.0 --features dynostore,libsql --locked"
+    say "(about 25-35 minutes on a 2-core machine the first time)"
+    cargo install tansu --version 0.6.0 --features dynostore,libsql --locked
+}
+
+# A Tansu with SQLite storage (the `libsql` feature) at ~/.cargo/tansu-libsql/bin/tansu: the
+# memory storage keeps no SCRAM credentials, so a SCRAM login can only succeed against this one
+# (tests/e2e_kafka_security.rs). ensure_tansu builds the feature in, and this links to that
+# build; only a Tansu installed without it (an older ensure_tansu) needs a second build.
+ensure_tansu_libsql() {
+    local linked="$HOME/.cargo/tansu-libsql/bin/tansu"
+    if [ -x "$linked" ]; then
+        return
+    fi
+    local crates="$HOME/.cargo/.crates2.json"
+    if [ -f "$crates" ] && grep -o '"tansu 0.6.0[^}]*}' "$crates" | grep -q '"libsql"'; then
+        mkdir -p "$(dirname "$linked")"
+        ln -sf "$(tansu_path)" "$linked"
+        return
+    fi
+    say "tansu with SQLite storage not found: cargo install tansu --version 0.6.0 --features libsql --locked --root ~/.cargo/tansu-libsql"
+    cargo install tansu --version 0.6.0 --features libsql --locked --root "$HOME/.cargo/tansu-libsql"
 }
 
 # True when nothing accepts connections on 127.0.0.1:$1.

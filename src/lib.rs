@@ -34,14 +34,14 @@
 //!   proto       the generated LikeEvent
 //! infra/      what the service runs on
 //!   config      the settings (StoreSettings, RunSettings, ServeLimits) and their checks
-//!   store       the parsed Redis URL, connections to one server or a cluster
+//!   store       the parsed Redis URL and its TLS files, connections to one server or a cluster
 //!   retry       backoff and the retryable / fatal split of Redis errors
 //!   metrics     every metric name, recorded per batch
 //!   health      readiness state and its background checks
 //!   http        the axum listener for /metrics, /healthz and /readyz;
 //!               the read API's request limits
-//!   security    TLS and SASL settings; secrets redacted;
-//!               acl_check.lua, the ACL check every writing script starts with
+//!   security    TLS and SASL settings, certificate and login refusals named; secrets
+//!               redacted; acl_check.lua, the ACL check every writing script starts with
 //! ops/        operations on stored counts, returning data
 //!   rebuild     recount the topic into a new generation and cut over
 //!   verify      recount in memory and compare

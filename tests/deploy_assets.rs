@@ -683,6 +683,21 @@ fn kustomize_renders_the_sasl_component() {
         "the KEDA trigger logs in with the TriggerAuthentication"
     );
     assert_eq!(trigger["metadata"]["sasl"].as_str(), Some("scram_sha512"));
+    // KEDA reads lag as a principal of its own, which may only look.
+    let refs = auth["spec"]["secretTargetRef"]
+        .as_vec()
+        .expect("secretTargetRef");
+    for parameter in ["username", "password"] {
+        let from = refs
+            .iter()
+            .find(|r| r["parameter"].as_str() == Some(parameter))
+            .unwrap_or_else(|| panic!("the TriggerAuthentication gives KEDA's {parameter}"));
+        assert_ne!(
+            from["name"].as_str(),
+            Some("tally-secrets"),
+            "KEDA's {parameter} is not tally's"
+        );
+    }
 }
 
 #[test]

@@ -92,9 +92,9 @@ impl SlotMap {
     /// Reads the live map: CLUSTER SLOTS from any node of a cluster; a single
     /// server owns every slot.
     pub fn read(target: &Target) -> Result<Self, RedisError> {
-        match target {
-            Target::Single(url) => Ok(Self::single(host_of(url))),
-            Target::Cluster(_) => {
+        match target.is_cluster() {
+            false => Ok(Self::single(host_of(&target.nodes()[0]))),
+            true => {
                 let mut conn = connect_blocking(target, Duration::from_secs(3))?;
                 let reply: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query(conn.as_mut())?;
                 let mut ranges = Vec::new();
@@ -143,9 +143,9 @@ fn host_of(url: &str) -> String {
 
 /// The servers to scan: the one server, or every primary of a cluster.
 pub fn scan_nodes(target: &Target) -> Result<Vec<Target>, RedisError> {
-    match target {
-        Target::Single(_) => Ok(vec![target.clone()]),
-        Target::Cluster(_) => {
+    match target.is_cluster() {
+        false => Ok(vec![target.clone()]),
+        true => {
             let map = SlotMap::read(target)?;
             Ok(map
                 .primaries()

@@ -19,8 +19,8 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 
 use crate::infra::security::{
-    SaslMechanism, SecurityProtocol, check_kafka_support, read_secret_file, url_has_password,
-    with_password,
+    RedisTls, SaslMechanism, SecurityProtocol, check_kafka_support, pem_certificates_problem,
+    pem_key_problem, read_secret_file, url_has_password, with_password,
 };
 use crate::infra::store::{RedisUrl, ReplicaWait};
 
@@ -209,6 +209,88 @@ impl StoreSettings {
     /// Slot groups on a cluster (a single server has one).
     pub fn slot_groups(&self) -> u32 {
         self.slot_groups
+    }
+
+    /// These settings with the TLS files of `files` read, checked and
+    /// attached to the URL; every problem at once, each naming its flag.
+    pub fn with_tls(self, files: &RedisTlsFiles) -> Result<StoreSettings, Vec<ConfigError>> {
+        if files == &RedisTlsFiles::default() {
+            return Ok(self);
+        }
+        let mut problems = Vec::new();
+        if !self.url.uses_tls() {
+            problems.push(bad(
+                files.first_flag(),
+                "needs a rediss:// (or rediss+cluster://) URL in --redis",
+            ));
+        }
+        if files.cert.is_some() != files.key.is_some() {
+            problems.push(bad(
+                "redis-tls-key-file",
+                "a client certificate and its key go together: give --redis-tls-cert-file and --redis-tls-key-file",
+            ));
+        }
+        let mut read =
+            |path: &Option<PathBuf>, flag: &'static str, check: fn(&[u8]) -> Option<String>| {
+                let path = path.as_ref()?;
+                match std::fs::read(path) {
+                    Ok(pem) => match check(&pem) {
+                        None => Some(pem),
+                        Some(problem) => {
+                            problems.push(bad(flag, format!("{}: {problem}", path.display())));
+                            None
+                        }
+                    },
+                    Err(error) => {
+                        problems.push(bad(
+                            flag,
+                            format!("cannot read {}: {error}", path.display()),
+                        ));
+                        None
+                    }
+                }
+            };
+        let root = read(
+            &files.ca_cert,
+            "redis-tls-ca-cert-file",
+            pem_certificates_problem,
+        );
+        let cert = read(&files.cert, "redis-tls-cert-file", pem_certificates_problem);
+        let key = read(&files.key, "redis-tls-key-file", pem_key_problem);
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        let tls = RedisTls::new(root, cert.zip(key));
+        Ok(StoreSettings {
+            url: self.url.with_tls(Some(tls)),
+            ..self
+        })
+    }
+}
+
+/// The files of the `--redis-tls-*` settings: the CAs that sign the Redis
+/// servers' certificates (instead of the system's), and a client
+/// certificate and key for servers that ask for one (`tls-auth-clients`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisTlsFiles {
+    /// `--redis-tls-ca-cert-file`: PEM, one or more CA certificates.
+    pub ca_cert: Option<PathBuf>,
+    /// `--redis-tls-cert-file`: PEM client certificate.
+    pub cert: Option<PathBuf>,
+    /// `--redis-tls-key-file`: PEM private key of that certificate.
+    pub key: Option<PathBuf>,
+}
+
+impl RedisTlsFiles {
+    /// The flag of the first file given.
+    fn first_flag(&self) -> &'static str {
+        if self.ca_cert.is_some() {
+            "redis-tls-ca-cert-file"
+        } else if self.cert.is_some() {
+            "redis-tls-cert-file"
+        } else {
+            "redis-tls-key-file"
+        }
     }
 }
 

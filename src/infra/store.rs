@@ -10,6 +10,12 @@
 //! URLs: `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS) for
 //! one server; `redis+cluster://[user:password@]host1:port1,host2:port2,...`
 //! (or `rediss+cluster://`) for a cluster, listing any subset of its nodes.
+//!
+//! TLS: a [`Target`] carries the certificates of the `--redis-tls-*` files
+//! (a private CA, a client certificate and key) to every connection made
+//! from it, the cluster nodes found in the slot map included, so no
+//! connection falls back to the system's CAs or goes without the client
+//! certificate.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -24,7 +30,7 @@ use redis::{Cmd, ConnectionLike, Pipeline, RedisError, RedisFuture, Value};
 use tracing::warn;
 
 use crate::infra::retry::{RedisFailure, classify_redis};
-use crate::infra::security::redact_url;
+use crate::infra::security::{RedisTls, TlsProblem, redact_url, tls_problem};
 
 /// A Redis URL, parsed once: where to connect, and how to show it.
 ///
@@ -76,6 +82,12 @@ impl RedisUrl {
     pub fn uses_tls(&self) -> bool {
         self.target.nodes()[0].starts_with("rediss://")
     }
+
+    /// This URL, reached with the certificates of `tls`.
+    pub fn with_tls(mut self, tls: Option<RedisTls>) -> RedisUrl {
+        self.target = self.target.with_tls(tls);
+        self
+    }
 }
 
 impl std::fmt::Debug for RedisUrl {
@@ -84,9 +96,16 @@ impl std::fmt::Debug for RedisUrl {
     }
 }
 
-/// Where the counters live.
+/// Where the counters live, and how to reach them: the nodes' URLs and the
+/// TLS material beyond the URL (a private CA, a client certificate).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
+pub struct Target {
+    nodes: Nodes,
+    tls: Option<Arc<RedisTls>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Nodes {
     /// One server, by URL.
     Single(String),
     /// A cluster, by the URLs of some of its nodes.
@@ -94,6 +113,22 @@ pub enum Target {
 }
 
 impl Target {
+    /// One server at `url`.
+    pub fn single(url: impl Into<String>) -> Target {
+        Target {
+            nodes: Nodes::Single(url.into()),
+            tls: None,
+        }
+    }
+
+    /// A cluster, reached through the servers at `urls`.
+    pub fn cluster(urls: Vec<String>) -> Target {
+        Target {
+            nodes: Nodes::Cluster(urls),
+            tls: None,
+        }
+    }
+
     fn parse(url: &str) -> Result<Target, &'static str> {
         for (scheme, node_scheme) in [
             ("redis+cluster://", "redis://"),
@@ -113,31 +148,43 @@ impl Target {
                 if nodes.is_empty() {
                     return Err("a cluster URL needs at least one host:port");
                 }
-                return Ok(Target::Cluster(nodes));
+                return Ok(Target::cluster(nodes));
             }
         }
         if url.starts_with("redis://") || url.starts_with("rediss://") {
-            Ok(Target::Single(url.to_string()))
+            Ok(Target::single(url))
         } else {
             Err("expected redis://host:port or redis+cluster://host1:port1,host2:port2")
         }
     }
 
+    /// This target, reached with `tls` (certificates read from the
+    /// `--redis-tls-*` files).
+    pub fn with_tls(mut self, tls: Option<RedisTls>) -> Target {
+        self.tls = tls.map(Arc::new);
+        self
+    }
+
+    /// The TLS material beyond the URL, if any was given.
+    pub fn tls(&self) -> Option<&RedisTls> {
+        self.tls.as_deref()
+    }
+
     /// Whether this is a cluster.
     pub fn is_cluster(&self) -> bool {
-        matches!(self, Target::Cluster(_))
+        matches!(self.nodes, Nodes::Cluster(_))
     }
 
     /// The URL of every node given (one for a single server).
     pub fn nodes(&self) -> &[String] {
-        match self {
-            Target::Single(url) => std::slice::from_ref(url),
-            Target::Cluster(nodes) => nodes,
+        match &self.nodes {
+            Nodes::Single(url) => std::slice::from_ref(url),
+            Nodes::Cluster(nodes) => nodes,
         }
     }
 
-    /// One server at `host_port`, reached with this target's scheme and
-    /// credentials (a cluster node found in the slot map, say).
+    /// One server at `host_port`, reached with this target's scheme,
+    /// credentials and certificates (a cluster node found in the slot map, say).
     pub fn node(&self, host_port: &str) -> Target {
         let template = &self.nodes()[0];
         let (scheme, rest) = template.split_once("://").unwrap_or(("redis", template));
@@ -145,7 +192,27 @@ impl Target {
             .rsplit_once('@')
             .map(|(auth, _)| format!("{auth}@"))
             .unwrap_or_default();
-        Target::Single(format!("{scheme}://{auth}{host_port}/"))
+        Target {
+            nodes: Nodes::Single(format!("{scheme}://{auth}{host_port}/")),
+            tls: self.tls.clone(),
+        }
+    }
+
+    /// A client for one server's URL, with this target's certificates.
+    fn client(&self, url: &str) -> Result<redis::Client, RedisError> {
+        match &self.tls {
+            Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
+            None => redis::Client::open(url),
+        }
+    }
+
+    /// A cluster client builder for this target's nodes and certificates.
+    fn cluster_builder(&self) -> ClusterClientBuilder {
+        let builder = ClusterClientBuilder::new(self.nodes().to_vec());
+        match &self.tls {
+            Some(tls) => builder.certs(tls.certificates()),
+            None => builder,
+        }
     }
 }
 
@@ -161,9 +228,9 @@ pub enum Store {
 impl Store {
     /// Connects to the target.
     pub async fn connect(target: &Target) -> Result<Store, RedisError> {
-        match target {
-            Target::Single(url) => {
-                let client = redis::Client::open(url.as_str())?;
+        match &target.nodes {
+            Nodes::Single(url) => {
+                let client = target.client(url)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(Duration::from_secs(3)))
                     .set_response_timeout(Some(Duration::from_secs(10)))
@@ -173,8 +240,9 @@ impl Store {
                     ConnectionManager::new_with_config(client, config).await?,
                 ))
             }
-            Target::Cluster(nodes) => {
-                let client = ClusterClientBuilder::new(nodes.clone())
+            Nodes::Cluster(_) => {
+                let client = target
+                    .cluster_builder()
                     .connection_timeout(Duration::from_secs(3))
                     .response_timeout(Duration::from_secs(10))
                     .retries(3)
@@ -232,6 +300,11 @@ impl ConnectError {
         self.source.kind() == redis::ErrorKind::AuthenticationFailed
             || matches!(self.source.code(), Some("NOAUTH" | "WRONGPASS"))
     }
+
+    /// What went wrong in the TLS handshake, if that is what failed.
+    pub fn tls_problem(&self) -> Option<TlsProblem> {
+        tls_problem(&self.source)
+    }
 }
 
 /// A store connection shared by every task, rebuilt when a cluster stops
@@ -271,14 +344,18 @@ impl Shared {
         Ok(store)
     }
 
-    /// Connects to `url` and checks the store answers a PING.
+    /// Connects to `url` and checks the store answers a PING. On a cluster,
+    /// the nodes given are tried one by one first, so that a node nobody can
+    /// reach (a wrong certificate, say) is reported once, as its own error.
     pub async fn open(url: &RedisUrl) -> Result<Shared, ConnectError> {
-        Shared::connect_checked(url.target())
-            .await
-            .map_err(|source| ConnectError {
-                url: url.shown().to_string(),
-                source,
-            })
+        let failed = |source| ConnectError {
+            url: url.shown().to_string(),
+            source,
+        };
+        if url.is_cluster() {
+            probe_nodes(url.target()).await.map_err(failed)?;
+        }
+        Shared::connect_checked(url.target()).await.map_err(failed)
     }
 
     /// The current connection and its generation.
@@ -455,6 +532,35 @@ fn least_connected(info: &Value) -> Option<u32> {
     }
 }
 
+/// PINGs the nodes of a cluster target one by one until one answers; the
+/// first node's error when none does.
+async fn probe_nodes(target: &Target) -> Result<(), RedisError> {
+    let mut first_error = None;
+    for url in target.nodes() {
+        let ping = async {
+            let mut conn = target
+                .client(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            redis::cmd("PING").query_async::<String>(&mut conn).await
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(3), ping)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RedisError::from(std::io::Error::from(
+                    std::io::ErrorKind::TimedOut,
+                )))
+            });
+        match answer {
+            Ok(_) => return Ok(()),
+            Err(error) => {
+                first_error.get_or_insert(error);
+            }
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
 /// A small Lua script sent by hash, and in full once after a NOSCRIPT (a
 /// flushed script cache, a failover, a node that never saw it).
 pub struct Lua {
@@ -509,15 +615,16 @@ pub fn connect_blocking(
     target: &Target,
     timeout: Duration,
 ) -> Result<Box<dyn ConnectionLike>, RedisError> {
-    match target {
-        Target::Single(url) => {
-            let conn = redis::Client::open(url.as_str())?.get_connection_with_timeout(timeout)?;
+    match &target.nodes {
+        Nodes::Single(url) => {
+            let conn = target.client(url)?.get_connection_with_timeout(timeout)?;
             conn.set_read_timeout(Some(timeout))?;
             conn.set_write_timeout(Some(timeout))?;
             Ok(Box::new(conn))
         }
-        Target::Cluster(nodes) => {
-            let client = ClusterClientBuilder::new(nodes.clone())
+        Nodes::Cluster(_) => {
+            let client = target
+                .cluster_builder()
                 .connection_timeout(timeout)
                 .response_timeout(timeout)
                 .retries(3)
@@ -557,13 +664,10 @@ mod tests {
 
     #[test]
     fn urls_name_a_server_or_a_cluster() {
-        assert_eq!(
-            target("redis://h:1/"),
-            Target::Single("redis://h:1/".into())
-        );
+        assert_eq!(target("redis://h:1/"), Target::single("redis://h:1/"));
         assert_eq!(
             target("redis+cluster://u:p@a:1,b:2/"),
-            Target::Cluster(vec!["redis://u:p@a:1".into(), "redis://u:p@b:2".into()])
+            Target::cluster(vec!["redis://u:p@a:1".into(), "redis://u:p@b:2".into()])
         );
         assert!(
             RedisUrl::parse("rediss+cluster://a:1")
@@ -592,11 +696,14 @@ mod tests {
     fn cluster_nodes_keep_the_credentials() {
         assert_eq!(
             target("redis+cluster://u:p@a:1").node("10.0.0.2:7001"),
-            Target::Single("redis://u:p@10.0.0.2:7001/".into())
+            Target::single("redis://u:p@10.0.0.2:7001/")
         );
         assert_eq!(
             target("rediss://a:1").node("b:2"),
-            Target::Single("rediss://b:2/".into())
+            Target::single("rediss://b:2/")
         );
+        let tls = RedisTls::new(Some(b"ca".to_vec()), None);
+        let secure = target("rediss+cluster://a:1").with_tls(Some(tls.clone()));
+        assert_eq!(secure.node("b:2").tls(), Some(&tls), "nodes keep the CA");
     }
 }

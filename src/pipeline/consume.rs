@@ -24,6 +24,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::domain::fence::PartitionFences;
 use crate::infra::config::{KafkaSettings, kafka_client_config};
+use crate::infra::security::{KafkaRefusal, kafka_refusal, kafka_refusal_in_log};
 use crate::pipeline::apply::FenceReader;
 
 /// A partition handed to this consumer, with the fences found for it.
@@ -53,6 +54,8 @@ pub struct TallyContext {
     /// Replaced when the key generation changes (see [`crate::domain::generation`]).
     fences: Mutex<FenceReader>,
     queue: Mutex<Vec<Rebalanced>>,
+    /// The last SASL or TLS refusal librdkafka reported, for the start-up check.
+    refused: Mutex<Option<KafkaRefusal>>,
 }
 
 impl TallyContext {
@@ -62,7 +65,23 @@ impl TallyContext {
             topic: topic.to_string(),
             fences: Mutex::new(fences),
             queue: Mutex::new(Vec::new()),
+            refused: Mutex::new(None),
         }
+    }
+
+    /// Keeps the first refusal: librdkafka's log names it before its error does.
+    fn refused(&self, refusal: KafkaRefusal) {
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(refusal);
+    }
+
+    fn has_refused(&self) -> bool {
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Reads fences with `fences` from now on: every later assignment starts
@@ -160,6 +179,50 @@ impl TallyContext {
 }
 
 impl ClientContext for TallyContext {
+    /// A SASL or TLS refusal is kept for [`explain`] and logged
+    /// at debug level, with the "all brokers down" that follows it: the
+    /// start-up check reports it in one line.
+    fn error(&self, error: KafkaError, reason: &str) {
+        let refusal = error
+            .rdkafka_error_code()
+            .and_then(|code| kafka_refusal(code, reason))
+            .or_else(|| kafka_refusal_in_log(reason));
+        if let Some(refusal) = &refusal {
+            self.refused(refusal.clone());
+        }
+        if refusal.is_some() || self.has_refused() {
+            debug!(%error, reason, "Kafka refused the connection.");
+        } else {
+            error!("librdkafka: {error}: {reason}");
+        }
+    }
+
+    /// librdkafka's log, at its own level, except the broker-failure lines of
+    /// a refused login or handshake, which the start-up check reports.
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as Level;
+        let refusal = kafka_refusal_in_log(message);
+        if let Some(refusal) = &refusal {
+            self.refused(refusal.clone());
+        }
+        // A broker that closes the connection during the SASL exchange is
+        // turning the login down; the line naming why follows.
+        let during_login = message.contains("in state AUTH_");
+        match level {
+            _ if refusal.is_some() || during_login => {
+                debug!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            Level::Emerg | Level::Alert | Level::Critical | Level::Error => {
+                error!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            Level::Warning => warn!(target: "librdkafka", "librdkafka: {fac} {message}"),
+            Level::Notice | Level::Info => {
+                info!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            Level::Debug => debug!(target: "librdkafka", "librdkafka: {fac} {message}"),
+        }
+    }
+
     /// librdkafka's statistics (every `statistics.interval.ms`): per owned
     /// partition, the messages between the high watermark and the last
     /// commit, which tally makes only after a batch is applied.
@@ -254,6 +317,14 @@ pub enum TopicError {
         /// The client error.
         source: KafkaError,
     },
+    /// The brokers answered, and tally's SASL login or TLS handshake failed.
+    #[error("{}", refusal_text(.brokers, .refusal))]
+    Refused {
+        /// Bootstrap servers.
+        brokers: String,
+        /// What librdkafka reported.
+        refusal: KafkaRefusal,
+    },
     /// The topic is absent.
     #[error("topic '{topic}' does not exist on {brokers}; create it or fix --{flag}")]
     Missing {
@@ -264,6 +335,51 @@ pub enum TopicError {
         /// The flag naming it.
         flag: &'static str,
     },
+}
+
+fn refusal_text(brokers: &str, refusal: &KafkaRefusal) -> String {
+    match refusal {
+        KafkaRefusal::Credentials(reason) => {
+            format!("Kafka at {brokers} refused the SASL login: {reason}")
+        }
+        KafkaRefusal::Tls(_, reason) => {
+            format!("the TLS handshake with Kafka at {brokers} failed: {reason}")
+        }
+    }
+}
+
+/// [`check_topic`] for the topic `consumer` reads, with a refused login or
+/// handshake told apart from brokers that are not there (see [`explain`]).
+pub async fn check_consumed_topic(
+    consumer: &LikeConsumer,
+    kafka: &KafkaSettings,
+) -> Result<usize, TopicError> {
+    match check_topic(consumer, &kafka.brokers, &kafka.topic, "topic") {
+        Ok(partitions) => Ok(partitions),
+        Err(error) => Err(explain(consumer, error).await),
+    }
+}
+
+/// `error` as the brokers' refusal of tally's SASL login or TLS handshake,
+/// when librdkafka reported one: "unreachable" would send the operator
+/// looking for a broker that is there. librdkafka hands its errors and logs
+/// to the consumer's queue, so the queue is served briefly first.
+async fn explain(consumer: &LikeConsumer, error: TopicError) -> TopicError {
+    let TopicError::Unreachable { brokers, source } = error else {
+        return error;
+    };
+    // Nothing is subscribed yet: the queue holds events, not messages.
+    let _ = tokio::time::timeout(Duration::from_millis(300), consumer.recv()).await;
+    let context = consumer.context();
+    let refused = context
+        .refused
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    match refused {
+        Some(refusal) => TopicError::Refused { brokers, refusal },
+        None => TopicError::Unreachable { brokers, source },
+    }
 }
 
 /// Checks the brokers answer and the topic exists; returns its partition count.

@@ -188,7 +188,7 @@ pub async fn run_with(
     );
     let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
     let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
-    let partitions = consume::check_topic(&consumer, &kafka.brokers, &kafka.topic, "topic")?;
+    let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
     let first_start = FirstStart {
         consumer: &consumer,
         partitions,

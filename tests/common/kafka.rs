@@ -53,11 +53,30 @@ pub struct Broker {
     _logs: TempDir,
 }
 
+/// How a private broker starts, beyond the defaults of [`Broker::start_private`].
+#[derive(Debug, Clone, Default)]
+pub struct BrokerOptions {
+    /// `--authentication`: every client must log in with SASL first.
+    pub authentication: bool,
+    /// The port the broker tells clients to connect to (a TLS terminator in front of it),
+    /// instead of its own.
+    pub advertised_port: Option<u16>,
+    /// `--storage-engine`; `memory://tansu/` when unset.
+    pub storage_engine: Option<String>,
+    /// Another tansu binary (one built with more storage engines).
+    pub binary: Option<PathBuf>,
+}
+
 impl Broker {
     /// A private Tansu broker on a free loopback port, for a test that stops or signals it
     /// (a shared broker must never be paused under other tests).
     pub fn start_private() -> Broker {
-        start_private_broker()
+        start_private_broker(&BrokerOptions::default())
+    }
+
+    /// A private broker started with `options`.
+    pub fn start_with(options: &BrokerOptions) -> Broker {
+        start_private_broker(options)
     }
 
     /// Its bootstrap address, `127.0.0.1:PORT`.
@@ -92,27 +111,42 @@ pub fn brokers() -> String {
         return b;
     }
     static BROKER: OnceLock<Broker> = OnceLock::new();
-    BROKER.get_or_init(start_private_broker).addr.clone()
+    BROKER
+        .get_or_init(|| start_private_broker(&BrokerOptions::default()))
+        .addr
+        .clone()
 }
 
-fn start_private_broker() -> Broker {
-    let tansu = require_tansu();
+fn start_private_broker(options: &BrokerOptions) -> Broker {
+    let tansu = options.binary.clone().unwrap_or_else(require_tansu);
     let logs = log_dir("tansu-");
     for attempt in 1..=3 {
         let port = free_port();
         let url = format!("tcp://127.0.0.1:{port}");
+        let advertised = format!(
+            "tcp://127.0.0.1:{}",
+            options.advertised_port.unwrap_or(port)
+        );
         let log_path = logs.path().join(format!("tansu-{attempt}.log"));
         let log = File::create(&log_path).expect("create tansu log");
+        let mut cmd = Command::new(&tansu);
+        cmd.arg("broker")
+            .arg("--listener-url")
+            .arg(&url)
+            .arg("--advertised-listener-url")
+            .arg(&advertised)
+            .arg("--storage-engine")
+            .arg(
+                options
+                    .storage_engine
+                    .as_deref()
+                    .unwrap_or("memory://tansu/"),
+            );
+        if options.authentication {
+            cmd.arg("--authentication");
+        }
         let mut proc = Guarded::spawn(
-            Command::new(&tansu)
-                .arg("broker")
-                .arg("--listener-url")
-                .arg(&url)
-                .arg("--advertised-listener-url")
-                .arg(&url)
-                .arg("--storage-engine")
-                .arg("memory://tansu/")
-                .env("RUST_LOG", tansu_log_filter())
+            cmd.env("RUST_LOG", tansu_log_filter())
                 .stdout(log.try_clone().unwrap())
                 .stderr(log),
         )
@@ -345,6 +379,16 @@ pub fn produce_positions(
     topic: &str,
     messages: impl IntoIterator<Item = Msg>,
 ) -> Vec<(i32, i64)> {
+    produce_positions_with(brokers, topic, messages, &[])
+}
+
+/// `produce_positions` with extra librdkafka properties (TLS, SASL) for every producer.
+pub fn produce_positions_with(
+    brokers: &str,
+    topic: &str,
+    messages: impl IntoIterator<Item = Msg>,
+    properties: &[(&str, &str)],
+) -> Vec<(i32, i64)> {
     let producers = std::env::var("TALLY_TEST_PRODUCERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -361,7 +405,7 @@ pub fn produce_positions(
         let handles: Vec<_> = lanes
             .into_iter()
             .filter(|lane| !lane.is_empty())
-            .map(|lane| scope.spawn(move || produce_lane(brokers, topic, lane)))
+            .map(|lane| scope.spawn(move || produce_lane(brokers, topic, lane, properties)))
             .collect();
         handles
             .into_iter()
@@ -374,9 +418,18 @@ pub fn produce_positions(
     positions
 }
 
-fn produce_lane(brokers: &str, topic: &str, lane: Vec<(usize, Msg)>) -> Vec<(usize, (i32, i64))> {
+fn produce_lane(
+    brokers: &str,
+    topic: &str,
+    lane: Vec<(usize, Msg)>,
+    properties: &[(&str, &str)],
+) -> Vec<(usize, (i32, i64))> {
     let batch = std::env::var("TALLY_TEST_BATCH_MESSAGES").unwrap_or_else(|_| "1".to_string());
-    let producer: FutureProducer = ClientConfig::new()
+    let mut config = ClientConfig::new();
+    for (key, value) in properties {
+        config.set(*key, *value);
+    }
+    let producer: FutureProducer = config
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .set("acks", "all")

@@ -22,6 +22,8 @@
 //! - `binary`: the `tally` process under test.
 //! - `metrics`: scraping and parsing its Prometheus endpoint.
 //! - `scenario`: one run's names, a producer thread, and the final wait-and-compare.
+//! - `tls`: a private CA and certificates (`openssl`), TLS-only redis-servers and a TLS Redis
+//!   Cluster, and a TLS terminator (`socat`) in front of a broker.
 //! - here: ports, names, seeds and polling.
 
 // Each test binary uses a different part of the harness.
@@ -33,6 +35,7 @@ mod metrics;
 mod process;
 mod redis_server;
 mod scenario;
+mod tls;
 mod workload;
 
 use std::collections::HashSet;
@@ -49,6 +52,7 @@ pub use metrics::*;
 pub use process::file_tail;
 pub use redis_server::*;
 pub use scenario::*;
+pub use tls::*;
 pub use workload::*;
 
 /// A loopback port in 20000..45000 that was free a moment ago and was not handed out before by

@@ -7,8 +7,10 @@
 use std::fmt;
 
 use tally::infra::config::ConfigError;
+use tally::infra::security::{KafkaRefusal, TlsProblem};
 use tally::infra::store::ConnectError;
 use tally::ops::OpError;
+use tally::pipeline::consume::TopicError;
 use tally::pipeline::run::RunError;
 
 /// Settings problems, printed one per line.
@@ -40,6 +42,9 @@ impl From<Vec<ConfigError>> for Problems {
 pub fn line(error: &anyhow::Error) -> String {
     if let Some(refused) = error.chain().find_map(connect_error) {
         return redis_line(refused);
+    }
+    if let Some(line) = error.chain().find_map(kafka_refused_line) {
+        return line;
     }
     let mut line = error.to_string();
     for cause in error.chain().skip(1) {
@@ -97,18 +102,80 @@ fn connect_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a
     }
 }
 
-/// A Redis that refuses the credentials says so, rather than suggesting it is down.
+/// A Redis that refuses the credentials or the TLS handshake says so, rather
+/// than suggesting it is down.
 fn redis_line(error: &ConnectError) -> String {
     if error.refused_credentials() {
         format!(
             "Redis at {} refused the credentials: {} (check the user and password in --redis, TALLY_REDIS_PASSWORD or --redis-password-file)",
             error.url, error.source
         )
+    } else if let Some(problem) = error.tls_problem() {
+        format!(
+            "TLS to Redis at {} failed: {} ({}); {}",
+            error.url,
+            problem.describe(),
+            error.source,
+            redis_tls_fix(problem)
+        )
     } else if let Some(hint) = acl_hint(&error.to_string()) {
         format!("{error}{hint}")
     } else {
         format!("{error} (is redis-server running? check --redis / TALLY_REDIS)")
     }
+}
+
+/// The setting that fixes a TLS problem with Redis.
+fn redis_tls_fix(problem: TlsProblem) -> &'static str {
+    match problem {
+        TlsProblem::UnknownIssuer => {
+            "give the CA that signs the server's certificate with --redis-tls-ca-cert-file / TALLY_REDIS_TLS_CA_CERT_FILE"
+        }
+        TlsProblem::Expired | TlsProblem::NotYetValid => {
+            "renew the certificate in redis-server's tls-cert-file (or check this machine's clock)"
+        }
+        TlsProblem::NameMismatch => {
+            "connect by a host name the certificate lists (--redis / TALLY_REDIS), or reissue redis-server's tls-cert-file for this name"
+        }
+        TlsProblem::ClientCertificate => {
+            "give a client certificate the server's tls-ca-cert-file trusts with --redis-tls-cert-file and --redis-tls-key-file"
+        }
+        TlsProblem::NotTls => {
+            "the port in --redis speaks no TLS: give redis-server's tls-port, or use redis://"
+        }
+    }
+}
+
+/// The line for brokers that turned tally's SASL login or TLS handshake down.
+fn kafka_refused_line(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let topic = error.downcast_ref::<TopicError>().or_else(|| {
+        match (
+            error.downcast_ref::<RunError>(),
+            error.downcast_ref::<OpError>(),
+        ) {
+            (Some(RunError::Topic(topic)), _) | (_, Some(OpError::Topic(topic))) => Some(topic),
+            (_, Some(OpError::Run(RunError::Topic(topic)))) => Some(topic),
+            _ => None,
+        }
+    })?;
+    let TopicError::Refused { refusal, .. } = topic else {
+        return None;
+    };
+    let fix = match refusal {
+        KafkaRefusal::Credentials(_) => {
+            "check --kafka-sasl-username, --kafka-sasl-mechanism and the password (TALLY_KAFKA_SASL_PASSWORD or --kafka-sasl-password-file)"
+        }
+        KafkaRefusal::Tls(Some(TlsProblem::ClientCertificate), _) => {
+            "the brokers want a client certificate: give --kafka-ssl-certificate-location and --kafka-ssl-key-location"
+        }
+        KafkaRefusal::Tls(Some(TlsProblem::NotTls), _) => {
+            "the port in --brokers speaks no TLS: check --brokers and --kafka-security-protocol"
+        }
+        KafkaRefusal::Tls(..) => {
+            "give the CA that signs the brokers' certificates with --kafka-ssl-ca-location / TALLY_KAFKA_SSL_CA_LOCATION, and check the host names in --brokers"
+        }
+    };
+    Some(format!("{topic}; {fix}"))
 }
 
 #[cfg(test)]
@@ -173,6 +240,59 @@ mod tests {
         );
         assert!(line(&keys).contains("~<prefix>:*"), "{}", line(&keys));
         assert_eq!(acl_hint("cannot reach Redis"), None);
+    }
+
+    #[test]
+    fn a_tls_failure_names_the_certificate_problem_and_the_setting() {
+        let tls = |cert: rustls::CertificateError| ConnectError {
+            url: "rediss://127.0.0.1:1/".into(),
+            source: redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                rustls::Error::InvalidCertificate(cert),
+            )),
+        };
+        for (cert, problem, setting) in [
+            (
+                rustls::CertificateError::UnknownIssuer,
+                "signed by no trusted CA",
+                "--redis-tls-ca-cert-file",
+            ),
+            (
+                rustls::CertificateError::Expired,
+                "has expired",
+                "tls-cert-file",
+            ),
+            (
+                rustls::CertificateError::NotValidForName,
+                "not valid for the host name",
+                "--redis",
+            ),
+        ] {
+            let shown = line(&anyhow::Error::new(RunError::Redis(tls(cert))));
+            assert!(
+                shown.starts_with("TLS to Redis at rediss://127.0.0.1:1/ failed: "),
+                "{shown}"
+            );
+            assert!(
+                shown.contains(problem) && shown.contains(setting),
+                "{shown}"
+            );
+            assert!(!shown.contains("is redis-server running"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn a_refused_kafka_login_names_the_sasl_settings() {
+        let refused = TopicError::Refused {
+            brokers: "127.0.0.1:9092".into(),
+            refusal: KafkaRefusal::Credentials("SASL SCRAM authentication failed".into()),
+        };
+        let shown = line(&anyhow::Error::new(RunError::Topic(refused)));
+        assert!(
+            shown.starts_with("Kafka at 127.0.0.1:9092 refused the SASL login: SASL SCRAM"),
+            "{shown}"
+        );
+        assert!(shown.contains("--kafka-sasl-username"), "{shown}");
     }
 
     #[test]

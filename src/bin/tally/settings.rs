@@ -19,7 +19,7 @@ use clap::{Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
 use tally::infra::config::{
     self as lib, Batching, ConfigError, HotSettings, KafkaSecurity, KafkaSecurityInput,
-    KafkaSettings, Password, RunSettings, StoreSettings,
+    KafkaSettings, Password, RedisTlsFiles, RunSettings, StoreSettings,
 };
 use tally::infra::security::{SaslMechanism, SecurityProtocol};
 use tally::infra::store::ReplicaWait;
@@ -53,6 +53,19 @@ pub struct StoreArgs {
     #[arg(long, env = "TALLY_REDIS_PASSWORD_FILE", value_name = "FILE")]
     pub redis_password_file: Option<PathBuf>,
 
+    /// PEM file of the CAs that sign the Redis servers' certificates, trusted instead of the
+    /// system's (with rediss://; redis-server's tls-ca-cert-file).
+    #[arg(long, env = "TALLY_REDIS_TLS_CA_CERT_FILE", value_name = "FILE")]
+    pub redis_tls_ca_cert_file: Option<PathBuf>,
+
+    /// PEM client certificate, for servers that ask for one (tls-auth-clients yes).
+    #[arg(long, env = "TALLY_REDIS_TLS_CERT_FILE", value_name = "FILE")]
+    pub redis_tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of --redis-tls-cert-file.
+    #[arg(long, env = "TALLY_REDIS_TLS_KEY_FILE", value_name = "FILE")]
+    pub redis_tls_key_file: Option<PathBuf>,
+
     /// Prefix of every Redis key tally writes.
     #[arg(long, env = "TALLY_PREFIX", default_value = lib::DEFAULT_PREFIX)]
     pub prefix: String,
@@ -78,6 +91,9 @@ impl std::fmt::Debug for StoreArgs {
                 &self.redis_password.as_ref().map(|_| "***"),
             )
             .field("redis_password_file", &self.redis_password_file)
+            .field("redis_tls_ca_cert_file", &self.redis_tls_ca_cert_file)
+            .field("redis_tls_cert_file", &self.redis_tls_cert_file)
+            .field("redis_tls_key_file", &self.redis_tls_key_file)
             .field("prefix", &self.prefix)
             .field("slot_groups", &self.slot_groups)
             .finish()
@@ -85,7 +101,7 @@ impl std::fmt::Debug for StoreArgs {
 }
 
 impl StoreArgs {
-    /// The store settings these flags name, the password file read.
+    /// The store settings these flags name, the password and TLS files read.
     pub fn settings(&self) -> Result<StoreSettings, Vec<ConfigError>> {
         let password = Password::from_sources(
             self.redis_password.clone(),
@@ -93,7 +109,13 @@ impl StoreArgs {
             "redis-password-file",
         )
         .map_err(|problem| vec![problem])?;
-        StoreSettings::new(&self.redis, password, &self.prefix, self.slot_groups)
+        StoreSettings::new(&self.redis, password, &self.prefix, self.slot_groups)?.with_tls(
+            &RedisTlsFiles {
+                ca_cert: self.redis_tls_ca_cert_file.clone(),
+                cert: self.redis_tls_cert_file.clone(),
+                key: self.redis_tls_key_file.clone(),
+            },
+        )
     }
 }
 
