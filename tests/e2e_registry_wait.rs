@@ -25,8 +25,15 @@ fn registry_entry(
         .unwrap()
 }
 
-fn promote(url: &str, prefix: &str, post: u64, extra: &[&str]) -> std::process::Output {
-    let post = post.to_string();
+/// `tally promote` of `post`, waiting at most `wait_ms` for the replicas.
+fn promote_waiting(
+    url: &str,
+    prefix: &str,
+    post: u64,
+    wait_ms: u64,
+    extra: &[&str],
+) -> std::process::Output {
+    let (post, wait_ms) = (post.to_string(), wait_ms.to_string());
     let args = [
         &["promote", post.as_str(), "--to-buckets", "32"][..],
         &[
@@ -35,12 +42,17 @@ fn promote(url: &str, prefix: &str, post: u64, extra: &[&str]) -> std::process::
             "--prefix",
             prefix,
             "--registry-wait-ms",
-            "500",
+            wait_ms.as_str(),
         ],
         extra,
     ]
     .concat();
     tally_cli(&args)
+}
+
+/// `tally promote` of `post`, waiting at most half a second for the replicas.
+fn promote(url: &str, prefix: &str, post: u64, extra: &[&str]) -> std::process::Output {
+    promote_waiting(url, prefix, post, 500, extra)
 }
 
 #[test]
@@ -58,7 +70,9 @@ fn a_promotion_no_replica_acknowledged_is_not_published() {
     write_layout_record_with(&mut conn, &prefix, 16, 128);
     cluster.wait_replicas_linked();
 
-    let healthy = promote(&url, &prefix, 7, &[]);
+    // A primary counts a replica that just finished its sync only from its first
+    // acknowledgement, up to a second later: the healthy case gives it that long.
+    let healthy = promote_waiting(&url, &prefix, 7, 5_000, &[]);
     assert!(
         healthy.status.success(),
         "promote with replicas up: {healthy:?}"

@@ -500,17 +500,28 @@ impl Shared {
         })
     }
 
-    /// The fewest replicas connected to any primary (`INFO replication`).
+    /// The fewest replicas connected to any primary (`INFO replication`);
+    /// none, with a warning, where the user may not run INFO.
     async fn least_replicas(&self) -> Result<u32, RedisError> {
-        let info: Value = self
+        let info: Result<Value, RedisError> = self
             .call(|mut s| async move {
                 redis::cmd("INFO")
                     .arg("replication")
                     .query_async(&mut s)
                     .await
             })
-            .await?;
-        Ok(least_connected(&info).unwrap_or(0))
+            .await;
+        match info {
+            Ok(info) => Ok(least_connected(&info).unwrap_or(0)),
+            Err(error) if error.code() == Some("NOPERM") => {
+                warn!(
+                    %error,
+                    "Cannot count the Redis replicas, so routing versions wait for none: grant +info to tally's Redis user, or set --registry-replicas."
+                );
+                Ok(0)
+            }
+            Err(error) => Err(error),
+        }
     }
 }
 

@@ -31,7 +31,7 @@ pub const RULES: &[Rule] = &[
             "ping", "get", "set", "exists", "hget", "hmget", "hgetall", "hset", "incrby", "decrby",
             "del", "time", "evalsha", "eval",
         ],
-        warns: &["config|get", "hsetnx", "hincrby", "expire"],
+        warns: &["config|get", "hsetnx", "hincrby", "expire", "info"],
     },
     Rule {
         command: "count",
@@ -169,6 +169,10 @@ const USES: &[(&str, &str)] = &[
     (
         "config|get",
         "reading maxmemory-policy (refused, tally warns and goes on unchecked)",
+    ),
+    (
+        "info",
+        "counting the primaries' replicas, which routing versions wait for with `--registry-replicas auto` (refused, they wait for none, with a warning; `promote`, `demote` and `rebucket` do the same)",
     ),
     ("cluster|slots", "the slot map of a cluster"),
 ];
