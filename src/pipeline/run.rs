@@ -247,6 +247,20 @@ async fn watch_routes(
     Ok((routes, watch, stop))
 }
 
+/// Says which slot groups' fences do not continue a batch.
+fn warn_discontinued(
+    (partition, start, last): (i32, i64, i64),
+    replies: &[(u32, crate::domain::fence::Reply, usize)],
+    resume: i64,
+) {
+    let found: Vec<String> = replies
+        .iter()
+        .filter(|(_, r, _)| r.fence != last && r.decision != Decision::Apply)
+        .map(|(g, r, _)| format!("{g}:{:?}@{}", r.decision, r.fence))
+        .collect();
+    warn!(partition, start, last, resume, groups = %found.join(" "), "Fences do not continue this batch; re-reading from the lowest.");
+}
+
 /// Checks every partition's fences against its log (see [`guard`]), once,
 /// before the consumer fetches anything: the broker is asked for the
 /// watermarks while nothing else of this consumer is in flight.
@@ -798,12 +812,7 @@ impl Pipeline {
             return Ok(());
         }
         let resume = tracker.resume_at();
-        let found: Vec<String> = replies
-            .iter()
-            .filter(|(_, r, _)| r.fence != done.last && r.decision != Decision::Apply)
-            .map(|(g, r, _)| format!("{g}:{:?}@{}", r.decision, r.fence))
-            .collect();
-        warn!(partition, start = done.start, last = done.last, resume, groups = %found.join(" "), "Fences do not continue this batch; re-reading from the lowest.");
+        warn_discontinued((partition, done.start, done.last), &replies, resume);
         self.resync(partition, resume)
     }
 

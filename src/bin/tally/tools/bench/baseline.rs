@@ -22,7 +22,7 @@ use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_co
 use super::{BaselineArgs, Env, Measured, check_sample};
 use tally::domain::layout::Record;
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
-use tally::infra::config::DEFAULT_BUCKETS;
+use tally::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 
 /// Messages a naive consumer handles per poll: the Java client's `max.poll.records` default.
 pub const NAIVE_POLL_BATCH: usize = 500;
@@ -52,6 +52,22 @@ impl Baseline {
 /// Runs one baseline until it has handled `--events` messages (or, for the
 /// naive ones, `--naive-max-secs` have passed since its first message) and
 /// prints `events= secs= rss_kib= cpu_secs=` on stdout.
+/// Records the layout the naive consumers write, so tally's reader can
+/// check their counts as it checks tally's.
+async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<()> {
+    let opened = tally::domain::layout::open(store).await?;
+    let record = Record {
+        format: tally::domain::layout::FORMAT,
+        buckets: DEFAULT_BUCKETS,
+        slot_groups: 1,
+        topic: config.topic.clone(),
+        group: config.group.clone(),
+        created_at_ms: tally::domain::versions::wall_ms(),
+    };
+    tally::domain::layout::ensure_record(&opened.store, store.prefix(), &record).await?;
+    Ok(())
+}
+
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
     let store = config.store.settings().map_err(crate::errors::Problems)?;
@@ -72,18 +88,7 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
         ),
     };
     if kind != Baseline::Raw {
-        // The layout the naive consumers write, recorded so tally's reader
-        // can check their counts as it checks tally's.
-        let opened = tally::domain::layout::open(&store).await?;
-        let record = Record {
-            format: tally::domain::layout::FORMAT,
-            buckets: DEFAULT_BUCKETS,
-            slot_groups: 1,
-            topic: config.topic.clone(),
-            group: config.group.clone(),
-            created_at_ms: tally::domain::versions::wall_ms(),
-        };
-        tally::domain::layout::ensure_record(&opened.store, store.prefix(), &record).await?;
+        record_layout(&store, config).await?;
     }
     let keys = KeyLayout::new(store.prefix());
     let cap = Duration::from_secs(config.naive_max_secs);
