@@ -178,6 +178,7 @@ fn chaos() {
 /// Shared steps of the scenarios.
 mod steps {
     use std::collections::HashMap;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
     use std::time::Duration;
 
     use crate::common::*;
@@ -242,17 +243,35 @@ mod steps {
         tallies: &mut [&mut Tally],
     ) {
         let mut conn = redis.conn();
+        let mut nudged = false;
         row.settle(
             || {
-                run.wait_applied(&mut conn, hwms, Duration::from_secs(180), || {
-                    for t in tallies.iter_mut() {
-                        t.assert_running();
-                    }
-                })
+                let wait = |conn: &mut redis::Connection, tallies: &mut [&mut Tally], secs| {
+                    run.wait_applied(conn, hwms, Duration::from_secs(secs), || {
+                        for t in tallies.iter_mut() {
+                            t.assert_running();
+                        }
+                    })
+                };
+                let first = catch_unwind(AssertUnwindSafe(|| wait(&mut conn, tallies, 90)));
+                if first.is_err() {
+                    // Tansu 0.6 can leave a partition with no owner after members of a
+                    // cooperative group die (docs/testing.md): a member that joins again makes
+                    // the group rebalance. Reported in the row's faults.
+                    eprintln!(
+                        "[chaos] partitions still behind after 90 s; restarting one consumer so the group rebalances"
+                    );
+                    tallies[0].restart();
+                    nudged = true;
+                    wait(&mut conn, tallies, 120);
+                }
             },
             || read_counts(&mut redis.conn(), &run.prefix),
             truth,
         );
+        if nudged {
+            row.faults.push_str(", +1 restart after 90 s behind");
+        }
     }
 
     /// SIGTERM every consumer; each must exit 0 within 30 s.

@@ -14,6 +14,8 @@ use super::process::{Guarded, file_tail, log_dir, signal};
 /// fails. Killed on drop.
 pub struct Tally {
     name: String,
+    /// The command and arguments it was started with, for [`Tally::restart`].
+    command: (String, Vec<String>),
     proc: Option<Guarded>,
     status: Option<ExitStatus>,
     log: PathBuf,
@@ -171,6 +173,10 @@ impl Tally {
         );
         Tally {
             name: name.to_string(),
+            command: (
+                command.to_string(),
+                args.iter().map(|a| a.to_string()).collect(),
+            ),
             proc: Some(proc),
             status: None,
             log,
@@ -215,6 +221,15 @@ impl Tally {
                 self.log_tail(40)
             );
         }
+    }
+
+    /// SIGTERM (it must exit 0 within 30 s), then the same command again under the same name.
+    pub fn restart(&mut self) {
+        let status = self.sigterm_and_wait(Duration::from_secs(30));
+        assert!(status.success(), "{} exited with {status}", self.name);
+        let (command, args) = self.command.clone();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        *self = Tally::spawn_command(&self.name, &command, &args);
     }
 
     pub fn kill9(&mut self) {
