@@ -10,8 +10,13 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use super::*;
+
+/// How long [`Scenario::wait_applied`] waits before it makes the group rebalance.
+const REJOIN_AFTER: Duration = Duration::from_secs(60);
 
 /// The names and broker of one test run.
 pub struct Scenario {
@@ -63,22 +68,67 @@ impl Scenario {
     }
 
     /// Waits until every partition's fence holds its last offset, calling `check` on each poll.
+    ///
+    /// Partitions still behind after a minute get one rejoin of the group (see
+    /// [`Scenario::rejoin`]) before the rest of `timeout` is waited.
     pub fn wait_applied(
         &self,
         conn: &mut redis::Connection,
         hwms: &[i64],
         timeout: Duration,
-        check: impl FnMut(),
+        mut check: impl FnMut(),
     ) {
-        wait_applied_while(
-            conn,
-            &self.prefix,
-            &self.group,
-            &self.topic,
-            hwms,
-            timeout,
-            check,
+        let first = timeout.min(REJOIN_AFTER);
+        let wait = |conn: &mut redis::Connection, limit: Duration, check: &mut dyn FnMut()| {
+            wait_applied_while(
+                conn,
+                &self.prefix,
+                &self.group,
+                &self.topic,
+                hwms,
+                limit,
+                check,
+            )
+        };
+        if timeout <= first {
+            return wait(conn, timeout, &mut check);
+        }
+        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait(conn, first, &mut check)
+        }));
+        if waited.is_ok() {
+            return;
+        }
+        self.rejoin();
+        wait(conn, timeout - first, &mut check);
+    }
+
+    /// Makes the group rebalance: a consumer of no use joins it and leaves again, without
+    /// fetching or committing anything. Tansu 0.6 can leave a partition with no owner after
+    /// members of a cooperative group die, and complete no further rebalance until a member
+    /// joins (docs/testing.md).
+    pub fn rejoin(&self) {
+        eprintln!(
+            "[harness] partitions still behind: a member joins and leaves group {} so it rebalances",
+            self.group
         );
+        let member: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group)
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set("session.timeout.ms", "6000")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .create()
+            .expect("create the rejoining member");
+        member.subscribe(&[&self.topic]).expect("subscribe");
+        let until = std::time::Instant::now() + Duration::from_secs(8);
+        while std::time::Instant::now() < until {
+            // Fetched messages are dropped: this member never commits, so the group's owners
+            // read them again.
+            let _ = member.poll(Duration::from_millis(100));
+        }
+        member.unsubscribe();
     }
 
     /// Every post's count in Redis equals `truth`.
