@@ -81,13 +81,8 @@ fn a_promotion_no_replica_acknowledged_is_not_published() {
 
     let replicas = cluster.replicas();
     assert_eq!(replicas.len(), 3, "one replica per primary");
-    for port in &replicas {
-        cluster
-            .nodes
-            .iter()
-            .find(|n| n.port == *port)
-            .unwrap()
-            .pause();
+    for node in cluster.nodes.iter().filter(|n| replicas.contains(&n.port)) {
+        node.pause();
     }
     let started = Instant::now();
     let stuck = promote(&url, &prefix, 8, &[]);
@@ -114,13 +109,8 @@ fn a_promotion_no_replica_acknowledged_is_not_published() {
         "--registry-replicas 0: {unwaited:?}"
     );
     assert!(registry_entry(&mut conn, &prefix, 8).is_some());
-    for port in &replicas {
-        cluster
-            .nodes
-            .iter()
-            .find(|n| n.port == *port)
-            .unwrap()
-            .resume();
+    for node in cluster.nodes.iter().filter(|n| replicas.contains(&n.port)) {
+        node.resume();
     }
 }
 
