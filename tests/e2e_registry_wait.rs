@@ -68,7 +68,7 @@ fn a_promotion_no_replica_acknowledged_is_not_published() {
     .get_connection()
     .unwrap();
     write_layout_record_with(&mut conn, &prefix, 16, 128);
-    cluster.wait_replicas_linked();
+    cluster.wait_replicas_linked(1);
 
     // A primary counts a replica that just finished its sync only from its first
     // acknowledgement, up to a second later: the healthy case gives it that long.

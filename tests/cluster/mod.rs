@@ -231,33 +231,57 @@ impl RedisCluster {
             .collect()
     }
 
-    /// Waits until every replica's link to its primary is up (the initial sync done).
-    pub fn wait_replicas_linked(&self) {
+    /// Waits until the nodes have settled into `replicas` replicas per primary: each primary
+    /// counts that many replicas online (from a replica's first acknowledgement, after its sync),
+    /// and each replica's link is up. Right after `--cluster create` a replica can still call
+    /// itself a primary for a while.
+    pub fn wait_replicas_linked(&self, replicas: usize) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        for port in self.replicas() {
-            loop {
-                let info: String = redis::cmd("INFO")
-                    .arg("replication")
-                    .query(&mut conn(port))
-                    .unwrap();
-                if info.contains("master_link_status:up") {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "replica {port} not linked within 60 s"
-                );
-                thread::sleep(Duration::from_millis(100));
+        let primaries = self.nodes.len() / (1 + replicas);
+        loop {
+            let infos: Vec<String> = self
+                .nodes
+                .iter()
+                .filter(|n| n.child.is_some())
+                .map(|n| {
+                    redis::cmd("INFO")
+                        .arg("replication")
+                        .query(&mut conn(n.port))
+                        .unwrap()
+                })
+                .collect();
+            let settled_primaries = infos
+                .iter()
+                .filter(|i| {
+                    i.contains("role:master") && i.matches("state=online").count() >= replicas
+                })
+                .count();
+            let linked = infos
+                .iter()
+                .filter(|i| i.contains("role:slave") && i.contains("master_link_status:up"))
+                .count();
+            if settled_primaries == primaries && linked == primaries * replicas {
+                return;
             }
+            assert!(
+                Instant::now() < deadline,
+                "replication not settled within 60 s: {settled_primaries} of {primaries} primaries, {linked} replicas linked"
+            );
+            thread::sleep(Duration::from_millis(100));
         }
     }
 
-    /// Ports of the nodes that are replicas now.
+    /// Ports of the nodes that are replicas now, by their own account (`INFO replication`).
     pub fn replicas(&self) -> Vec<u16> {
-        let primaries: Vec<u16> = self.primaries().into_iter().map(|(p, _)| p).collect();
         self.nodes
             .iter()
-            .filter(|n| n.child.is_some() && !primaries.contains(&n.port))
+            .filter(|n| n.child.is_some())
+            .filter(|n| {
+                redis::cmd("INFO")
+                    .arg("replication")
+                    .query::<String>(&mut conn(n.port))
+                    .is_ok_and(|info| info.contains("role:slave"))
+            })
             .map(|n| n.port)
             .collect()
     }
