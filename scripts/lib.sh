@@ -89,43 +89,39 @@ ensure_promtool() {
     say "installed $(promtool --version 2>&1 | head -n 1)"
 }
 
+# pip-installs PACKAGE==VERSION, bringing python3 and pip from Debian first when they are
+# missing. A Debian python3 refuses pip installs outside a virtualenv unless told (PEP 668).
+pip_install() {
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
+            >/dev/null
+    fi
+    say "$1 not found: python3 -m pip install $1"
+    python3 -m pip install --quiet "$1" 2>/dev/null ||
+        python3 -m pip install --quiet --break-system-packages "$1"
+    hash -r
+}
+
 # Installs the Python Kafka client for tests/producers/produce.py, the producer other than tally
 # that tests/e2e_codecs.rs runs: confluent-kafka, whose wheels bundle a librdkafka built with
-# gzip, snappy, lz4 and zstd. Brings python3 and pip from Debian first when they are missing.
+# gzip, snappy, lz4 and zstd.
 ensure_python_kafka() {
     if python3 -c 'import confluent_kafka' >/dev/null 2>&1; then
         return
     fi
-    if ! python3 -m pip --version >/dev/null 2>&1; then
-        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
-            >/dev/null
-    fi
-    say "confluent-kafka not found: python3 -m pip install confluent-kafka==2.16.1"
-    # A Debian python3 refuses pip installs outside a virtualenv unless told (PEP 668).
-    python3 -m pip install --quiet confluent-kafka==2.16.1 2>/dev/null ||
-        python3 -m pip install --quiet --break-system-packages confluent-kafka==2.16.1
+    pip_install confluent-kafka==2.16.1
     say "installed confluent-kafka $(python3 -c 'import confluent_kafka; print(confluent_kafka.__version__)')"
 }
 
 # Installs schemathesis from PyPI (tests/serve_api.rs fuzzes `tally serve` against
-# docs/openapi.yaml with it). Brings python3 and pip from Debian first when they are missing.
+# docs/openapi.yaml with it).
 ensure_schemathesis() {
     if command -v schemathesis >/dev/null 2>&1; then
         return
     fi
-    if ! python3 -m pip --version >/dev/null 2>&1; then
-        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
-            >/dev/null
-    fi
-    say "schemathesis not found: python3 -m pip install schemathesis==4.32.5"
-    # A Debian python3 refuses pip installs outside a virtualenv unless told (PEP 668).
-    python3 -m pip install --quiet schemathesis==4.32.5 2>/dev/null ||
-        python3 -m pip install --quiet --break-system-packages schemathesis==4.32.5
-    hash -r
+    pip_install schemathesis==4.32.5
     say "installed $(schemathesis --version)"
 }
 
