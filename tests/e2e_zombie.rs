@@ -54,7 +54,7 @@ fn frozen_member_cannot_double_count_after_waking() {
     let addr_c = format!("127.0.0.1:{}", free_port());
 
     let mut a = Tally::spawn_args("consumer-a", &with_metrics(&addr_a, &[]));
-    wait_for(
+    run.wait_settled(
         "consumer-a to own every partition",
         Duration::from_secs(60),
         || {
@@ -65,7 +65,7 @@ fn frozen_member_cannot_double_count_after_waking() {
     // The zombie-to-be holds its batches longer, so it is caught with work in hand.
     let slow = ["--flush-interval-ms", "1000", "--batch-max-events", "20000"];
     let mut b = Tally::spawn_args("consumer-b", &with_metrics(&addr_b, &slow));
-    wait_for(
+    run.wait_settled(
         "consumer-a and consumer-b to share the partitions",
         Duration::from_secs(90),
         || {
@@ -92,7 +92,7 @@ fn frozen_member_cannot_double_count_after_waking() {
     // expired member but keeps the old assignment until the membership changes again, so a third
     // member joins: either way, live members own everything while consumer-b sleeps.
     let mut c = Tally::spawn_args("consumer-c", &with_metrics(&addr_c, &[]));
-    wait_for(
+    run.wait_settled(
         "consumer-a and consumer-c to own every partition",
         Duration::from_secs(60),
         || {

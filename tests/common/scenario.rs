@@ -103,6 +103,21 @@ impl Scenario {
         wait(conn, timeout - first, &mut check);
     }
 
+    /// Waits for `f` like [`wait_for`]; if the group has not settled within `timeout`, it gets
+    /// one rejoin (see [`Scenario::rejoin`]) and `timeout` more.
+    pub fn wait_settled<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut f: impl FnMut() -> Option<T>,
+    ) -> T {
+        if let Some(v) = try_wait_for(timeout, &mut f) {
+            return v;
+        }
+        self.rejoin();
+        wait_for(what, timeout, f)
+    }
+
     /// Makes the group rebalance: a consumer of no use joins it and leaves again, without
     /// fetching or committing anything. Tansu 0.6 can leave a partition with no owner after
     /// members of a cooperative group die, and complete no further rebalance until a member
