@@ -30,6 +30,17 @@ ensure_redis() {
     say "installed $(redis-server --version)"
 }
 
+# Installs Debian's wrk, the HTTP load generator `tally bench-reads` measures `tally serve` with.
+ensure_wrk() {
+    if command -v wrk >/dev/null 2>&1; then
+        return
+    fi
+    say "wrk not found: installing it with apt-get"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
+    say "installed $(wrk --version 2>&1 | head -n 1)"
+}
+
 # Installs what building tally needs beyond Rust: librdkafka is compiled with TLS and SCRAM
 # support (rdkafka's `ssl` feature), which links the system's OpenSSL, found with pkg-config.
 ensure_build_deps() {
