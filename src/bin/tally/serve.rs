@@ -28,12 +28,16 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use clap::Args;
 use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Serialize;
 use serde_json::json;
 use tally::infra::config::{self, ServeLimits};
-use tally::read::Reader;
+use tally::read::{Count, Reader};
 use tracing::info;
 
 use crate::settings::StoreArgs;
+
+/// How long a count is served from the cache by default (milliseconds).
+pub const DEFAULT_CACHE_TTL_MS: u64 = 1_000;
 
 /// Settings of `tally serve`.
 #[derive(Clone, Args)]
@@ -42,7 +46,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// How long a count is served from the cache (milliseconds; 0 turns the cache off).
-    #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = 1_000)]
+    #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = DEFAULT_CACHE_TTL_MS)]
     pub cache_ttl_ms: u64,
     /// Post ids one /v1/likes request may ask for.
     #[arg(long, env = "TALLY_MAX_IDS", default_value_t = config::DEFAULT_SERVE_MAX_IDS)]
@@ -108,6 +112,12 @@ async fn one(State(api): State<Api>, Path(raw): Path<String>) -> Result<Response
     Ok(Json(count).into_response())
 }
 
+/// The answer of `/v1/likes`, serialized straight from the counts.
+#[derive(Serialize)]
+struct Likes<'a> {
+    likes: &'a [Count],
+}
+
 async fn many(State(api): State<Api>, RawQuery(query): RawQuery) -> Result<Response, Failure> {
     let query = query.unwrap_or_default();
     let mut posts = Vec::new();
@@ -134,7 +144,7 @@ async fn many(State(api): State<Api>, RawQuery(query): RawQuery) -> Result<Respo
         .counts(&posts)
         .await
         .map_err(|e| Failure(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-    Ok(Json(json!({ "likes": counts })).into_response())
+    Ok(Json(Likes { likes: &counts }).into_response())
 }
 
 /// Counts and times every answer, by the route it matched.
