@@ -4,11 +4,11 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use super::services::redis_conn;
 use super::{BenchConfig, Env, Measured, Outcome};
-use tally::infra::config::DEFAULT_BUCKETS;
+use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
 
 /// 1234567 -> "1,234,567".
 pub(super) fn thousands(n: u64) -> String {
@@ -182,10 +182,13 @@ fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fm
     writeln!(
         out,
         "Date: {}. Services on the same machine: Tansu broker (memory storage), redis-server {redis_version} \
-         (no persistence), {} partitions per topic, {} buckets per post.",
+         (no persistence), {} partitions per topic; tally's defaults: {} bucket(s) per post on a new prefix, \
+         posts above {} events/s promoted to {} buckets.",
         today_utc(),
         config.partitions,
-        DEFAULT_BUCKETS
+        DEFAULT_BUCKETS,
+        DEFAULT_PROMOTE_ABOVE,
+        DEFAULT_HOT_BUCKETS
     )
 }
 
@@ -231,30 +234,47 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
     } else {
         format!("tally run ({})", config.tally_args.join(" "))
     };
-    row(out, &label, &o.tally, "")
+    row(out, &label, &o.tally, "")?;
+    for (args, measured) in &o.variants {
+        row(
+            out,
+            &format!("tally run ({args}), backlog only"),
+            measured,
+            "",
+        )?;
+    }
+    Ok(())
 }
 
 /// tally's figures as multiples of the raw and the naive consumers'.
 fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
-    let versus = |naive: &Measured| {
+    let versus = |tally: &Measured, naive: &Measured| {
         let fewer = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) => ratio(a, b),
             _ => "–".into(),
         };
         format!(
             "events/s **{}**, Redis calls per event **{}** fewer, Redis CPU per event **{}** less",
-            ratio(o.tally.rate(), naive.rate()),
-            fewer(naive.calls_per_event(), o.tally.calls_per_event()),
-            fewer(naive.cpu_per_million(), o.tally.cpu_per_million()),
+            ratio(tally.rate(), naive.rate()),
+            fewer(naive.calls_per_event(), tally.calls_per_event()),
+            fewer(naive.cpu_per_million(), tally.cpu_per_million()),
         )
     };
     writeln!(
         out,
         "\ntally / raw: events/s **{}**.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
         ratio(o.tally.rate(), o.raw.rate()),
-        versus(&o.naive),
-        versus(&o.pipelined),
-    )
+        versus(&o.tally, &o.naive),
+        versus(&o.tally, &o.pipelined),
+    )?;
+    for (args, measured) in &o.variants {
+        writeln!(
+            out,
+            "tally ({args}) / naive pipelined: {}.  ",
+            versus(measured, &o.pipelined)
+        )?;
+    }
+    Ok(())
 }
 
 /// tally's Redis calls by command and how its latency was measured, when known.
@@ -301,14 +321,7 @@ const END: &str = "<!-- bench:end -->";
 
 /// Replaces the text between the markers of `path` (or appends them).
 pub(super) fn write_between_markers(path: &Path, report: &str) -> Result<()> {
-    let old = std::fs::read_to_string(path).unwrap_or_default();
-    let block = format!("{BEGIN}\n{report}{END}");
-    let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &old[..b], &old[e + END.len()..]),
-        _ if old.is_empty() => format!("{block}\n"),
-        _ => format!("{}\n\n{block}\n", old.trim_end()),
-    };
-    std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
+    crate::tools::markdown::write_between(path, BEGIN, END, report)
 }
 
 #[cfg(test)]

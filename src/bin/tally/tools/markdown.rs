@@ -1,0 +1,106 @@
+//! The Markdown around benchmark reports: a block of generated text kept
+//! between two markers of a file, so the prose around it stays, and the
+//! machine and date a report names.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+/// Replaces the text between `begin` and `end` in `path` with `text` (or
+/// appends the block, markers included, when they are missing).
+pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let block = format!("{begin}\n{text}{end}");
+    let new = match (old.find(begin), old.find(end)) {
+        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &old[..b], &old[e + end.len()..]),
+        _ if old.is_empty() => format!("{block}\n"),
+        _ => format!("{}\n\n{block}\n", old.trim_end()),
+    };
+    std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// "2 cores (AMD EPYC 7B13), 24 GiB, Linux 6.1.0".
+pub fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_gib = meminfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:")?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!(
+        "{cores} cores ({model}), {mem_gib:.0} GiB, Linux {}",
+        kernel.trim()
+    )
+}
+
+/// Today's date (UTC) as YYYY-MM-DD.
+pub fn today_utc() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Civil-from-days, proleptic Gregorian calendar.
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// 1234567 -> "1,234,567".
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_between_named_markers_is_replaced_or_appended() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.md");
+        std::fs::write(
+            &path,
+            "# T\n\n<!-- a:begin -->\nold\n<!-- a:end -->\ntail\n",
+        )
+        .unwrap();
+        write_between(&path, "<!-- a:begin -->", "<!-- a:end -->", "new\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "# T\n\n<!-- a:begin -->\nnew\n<!-- a:end -->\ntail\n");
+        write_between(&path, "<!-- b:begin -->", "<!-- b:end -->", "more\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.ends_with("tail\n\n<!-- b:begin -->\nmore\n<!-- b:end -->\n"));
+        assert_eq!(thousands(1_234_567), "1,234,567");
+        assert_eq!(today_utc().len(), 10);
+    }
+}
