@@ -25,6 +25,8 @@ pub enum Command {
     Produce(Box<tools::produce::ProduceConfig>),
     /// Measure tally against a raw and a naive consumer on the same events, on private services.
     Bench(Box<tools::bench::BenchConfig>),
+    /// Measure `tally serve` with wrk against direct MGETs of the same keys, on a private redis-server.
+    BenchReads(Box<tools::bench_reads::BenchReadsConfig>),
     /// One baseline consumer of `tally bench`, run as its child process.
     #[command(hide = true)]
     BenchBaseline(Box<tools::bench::BaselineArgs>),
