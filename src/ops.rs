@@ -93,7 +93,7 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier, u32
     let proposed = layout::Record::of_writer(settings, 0);
     let epoch0 = match layout::read_record(&opened.store, settings.store.prefix()).await? {
         Some(record) => {
-            layout::check_writer(&opened, &proposed, &record).await?;
+            layout::check_writer(&opened, settings, &record).await?;
             record.buckets
         }
         None => proposed.buckets,

@@ -83,7 +83,8 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
     let second = Workload::generate(run.seed ^ 0xbad, 3_000, 1);
     let lone_post = (1u64 << 63) | (run.seed >> 1);
     let lone_user = run.seed | 1;
-    let bucket = tally::domain::routing::bucket_of(lone_user, 16);
+    let bucket =
+        tally::domain::routing::bucket_of(lone_user, tally::infra::config::DEFAULT_BUCKETS);
     let broken = format!("{}:likes:{lone_post}:{bucket}", run.prefix);
     let _: () = redis::cmd("SET")
         .arg(&broken)

@@ -12,7 +12,7 @@ use common::*;
 
 const EVENTS: usize = 20_000;
 const PARTITIONS: i32 = 4;
-/// Not the default (16): a reader that fell back to the default would under-read.
+/// Not the default: a reader that fell back to the default would under-read.
 const BUCKETS: &str = "32";
 
 /// `args` with `flag`'s value replaced (or added).
@@ -134,6 +134,23 @@ fn changed_layout_flags_are_refused_and_readers_need_none() {
         )),
         "{stderr}"
     );
+    // Nothing in the data says how many buckets it was written with: a start that does not
+    // name the count is refused, in one line.
+    let unnamed: Vec<String> = {
+        let at = args.iter().position(|a| a == "--buckets").unwrap();
+        [&args[..at], &args[at + 2..]].concat()
+    };
+    let refused = run_refused(&unnamed);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{}", output_text(&refused));
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("holds counts but no layout record")
+                && l.contains("start once with --buckets")),
+        "{stderr}"
+    );
+    assert!(record(&mut conn, &run.prefix).is_empty());
     let mut tally = Tally::spawn_args("tally-adopts", &args);
     let adopted = wait_for("the adoption", Duration::from_secs(60), || {
         tally.assert_running();

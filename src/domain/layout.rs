@@ -25,7 +25,8 @@
 //! (see [`crate::domain::versions`]), and a writer's `--buckets` must then
 //! name the newest epoch's count.
 //! Data written before the record existed is adopted on the first start: the
-//! record is written from the flags of that start, which is logged.
+//! record is written from the flags of that start, which is logged; that
+//! start must name `--buckets`, since the count cannot be read from the data.
 
 use redis::RedisError;
 
@@ -33,7 +34,7 @@ use crate::domain::generation;
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{DEFAULT_FIELD, Defaults, read_defaults};
-use crate::infra::config::{RunSettings, StoreSettings};
+use crate::infra::config::{DEFAULT_BUCKETS, RunSettings, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
@@ -141,10 +142,12 @@ pub struct Record {
 
 impl Record {
     /// The record a writer with `settings` would write at `created_at_ms`.
+    /// The record a writer with `settings` would write on a new prefix
+    /// (with no `--buckets`, [`DEFAULT_BUCKETS`]).
     pub fn of_writer(settings: &RunSettings, created_at_ms: i64) -> Record {
         Record {
             format: FORMAT,
-            buckets: settings.buckets,
+            buckets: settings.buckets.unwrap_or(DEFAULT_BUCKETS),
             slot_groups: slot_groups(&settings.store).count(),
             topic: settings.kafka.topic.clone(),
             group: settings.kafka.group.clone(),
@@ -256,6 +259,17 @@ pub enum LayoutError {
         /// The record's key.
         key: String,
     },
+    /// Data written before records existed, and no `--buckets` to say with
+    /// how many buckets it was written.
+    #[error(
+        "prefix {prefix} holds counts but no layout record ({key}): start once with --buckets set to the count they were written with (releases before the record defaulted to 16) to adopt them"
+    )]
+    AdoptWithoutBuckets {
+        /// The base prefix.
+        prefix: String,
+        /// The record's key.
+        key: String,
+    },
     /// It is not a record tally wrote.
     #[error(
         "layout record {key} is damaged ({problem}); restore it, or delete it to adopt the data with the current flags"
@@ -332,20 +346,21 @@ pub async fn current_defaults(
     read_defaults(&registry, entry.as_deref(), record.buckets)
 }
 
-/// Compares a writer's settings (`proposed`) with the record in force and
-/// the bucket count writers use now.
+/// Compares a writer's settings with the record in force and the bucket
+/// count writers use now. A writer that names no bucket count takes the
+/// current one.
 pub async fn check_writer(
     opened: &OpenStore,
-    proposed: &Record,
+    settings: &RunSettings,
     stored: &Record,
 ) -> Result<(), LayoutError> {
     let defaults = current_defaults(&opened.store, &opened.keys, stored).await?;
-    compare(
-        opened.keys.prefix(),
-        proposed,
-        stored,
-        defaults.latest().buckets,
-    )?;
+    let buckets_now = defaults.latest().buckets;
+    let proposed = Record {
+        buckets: settings.buckets.unwrap_or(buckets_now),
+        ..Record::of_writer(settings, stored.created_at_ms)
+    };
+    compare(opened.keys.prefix(), &proposed, stored, buckets_now)?;
     Ok(())
 }
 

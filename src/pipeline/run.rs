@@ -305,10 +305,16 @@ async fn check_layout(
 ) -> Result<Record, RunError> {
     let base = settings.store.prefix();
     let kafka = &settings.kafka;
-    if layout::read_record(&opened.store, base).await?.is_none()
-        && !holds_data(opened, settings).await?
-        && first.live
-    {
+    let unrecorded = layout::read_record(&opened.store, base).await?.is_none();
+    let data = unrecorded && holds_data(opened, settings).await?;
+    if data && settings.buckets.is_none() {
+        return Err(LayoutError::AdoptWithoutBuckets {
+            prefix: base.to_string(),
+            key: layout::record_key(base),
+        }
+        .into());
+    }
+    if unrecorded && !data && first.live {
         let committed = tokio::task::block_in_place(|| {
             guard::committed(first.consumer, &kafka.topic, first.partitions)
         })?;
@@ -337,7 +343,7 @@ async fn check_layout(
     let proposed = Record::of_writer(settings, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
-        if holds_data(opened, settings).await? {
+        if data {
             warn!(
                 key = %layout::record_key(base),
                 buckets = record.buckets,
@@ -355,7 +361,7 @@ async fn check_layout(
             );
         }
     }
-    layout::check_writer(opened, &proposed, &record).await?;
+    layout::check_writer(opened, settings, &record).await?;
     Ok(record)
 }
 
@@ -620,6 +626,8 @@ impl Pipeline {
     /// Dispatches every batch that is full or old enough (or any, when
     /// flushing), and probes the fences of partitions that are caught up.
     fn dispatch_ready(&mut self, flush_all: bool) {
+        let now = wall_ms();
+        let batching = &self.settings.batching;
         let ready: Vec<i32> = self
             .owned
             .iter()
@@ -630,7 +638,7 @@ impl Pipeline {
                     } else {
                         flush_all
                             || s.batch.is_full(&self.limits)
-                            || s.batch.age() >= self.flush_after
+                            || s.batch.age() >= batching.flush_age(s.newest_seen_ms, now)
                     }
             })
             .map(|(&p, _)| p)

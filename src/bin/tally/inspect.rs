@@ -86,7 +86,10 @@ fn inspect_post(
         args.post_id,
         meta.versions
             .iter()
-            .map(|&(v, n)| format!("{}: {n} buckets", version_name(v)))
+            .map(|&(v, n)| {
+                let s = if n == 1 { "" } else { "s" };
+                format!("{}: {n} bucket{s}", version_name(v))
+            })
             .collect::<Vec<_>>()
             .join(", "),
         map.primary_count(),

@@ -125,11 +125,12 @@ impl StoreArgs {
 #[serde(rename_all = "kebab-case", default)]
 #[command(next_help_heading = REDIS)]
 pub struct BucketsArg {
-    /// Buckets per post (N): bucket = xxh64(user_id) % N. The first `tally run` on a prefix
-    /// writes it into the layout record; later starts must repeat the prefix's current
-    /// count, which only `tally rebucket` changes.
-    #[arg(long, env = "TALLY_BUCKETS", default_value_t = lib::DEFAULT_BUCKETS)]
-    pub buckets: u32,
+    /// Buckets per post (N): bucket = xxh64(user_id) % N. Unset: the prefix's current count
+    /// from its layout record, and 1 on a new prefix (hot posts are promoted to
+    /// --hot-buckets). The first `tally run` on a prefix writes it into the record; a later
+    /// start that sets it must name the current count, which only `tally rebucket` changes.
+    #[arg(long, env = "TALLY_BUCKETS")]
+    pub buckets: Option<u32>,
 }
 
 impl Default for BucketsArg {
@@ -247,6 +248,11 @@ pub struct RunArgs {
     /// Close a partition's batch when it is this old (milliseconds).
     #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = lib::DEFAULT_FLUSH_INTERVAL_MS, help_heading = BATCHING)]
     pub flush_interval_ms: u64,
+
+    /// Close the batch of a partition that is catching up (its newest event more than 1 s
+    /// old) when it is this old (milliseconds): fewer increments per event while behind.
+    #[arg(long, env = "TALLY_FLUSH_INTERVAL_BEHIND_MS", default_value_t = lib::DEFAULT_FLUSH_INTERVAL_BEHIND_MS, help_heading = BATCHING)]
+    pub flush_interval_behind_ms: u64,
 
     /// Scripts in flight to Redis at once, across partitions (one per partition at most).
     #[arg(long, env = "TALLY_MAX_IN_FLIGHT", default_value_t = lib::DEFAULT_MAX_IN_FLIGHT, help_heading = BATCHING)]
@@ -376,6 +382,7 @@ impl RunArgs {
                 max_events: self.batch_max_events,
                 max_keys: self.batch_max_keys,
                 flush_interval: Duration::from_millis(self.flush_interval_ms),
+                flush_interval_behind: Duration::from_millis(self.flush_interval_behind_ms),
                 max_in_flight: self.max_in_flight,
                 shutdown_timeout: Duration::from_secs(self.shutdown_timeout_secs),
             },
@@ -514,7 +521,7 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         let args = parse(&[]);
-        assert_eq!(args.buckets.buckets, 16);
+        assert_eq!(args.buckets.buckets, None);
         assert_eq!(args.store.prefix, "tally");
         let settings = args.settings().unwrap();
         assert_eq!(settings.store.url().shown(), "redis://127.0.0.1:6379/");

@@ -206,7 +206,7 @@ mod tests {
                     [kafka-config]\n\"session.timeout.ms\" = 6000\n\"fetch.min.bytes\" = \"1\"\n";
         let config = layered(file, &["--buckets", "32", "-X", "fetch.min.bytes=9"]).unwrap();
         assert_eq!(config.topic, "from-file");
-        assert_eq!(config.buckets.buckets, 32);
+        assert_eq!(config.buckets.buckets, Some(32));
         assert_eq!(config.group, "tally");
         assert_eq!(config.metrics_addr, Some(([127, 0, 0, 1], 9464).into()));
         let mut kafka = config.kafka_config.clone();
@@ -221,7 +221,7 @@ mod tests {
         // A flag given at its default value still wins over the file.
         assert_eq!(
             layered(file, &["--buckets", "16"]).unwrap().buckets.buckets,
-            16
+            Some(16)
         );
     }
 

@@ -45,7 +45,7 @@ pub struct DemoConfig {
     #[arg(long, default_value_t = 8)]
     pub partitions: u32,
     /// Buckets per post.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = tally::infra::config::DEFAULT_BUCKETS)]
     pub buckets: u32,
     /// Stop by itself after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
@@ -225,7 +225,7 @@ impl Pipeline {
                 ..StoreArgs::default()
             },
             buckets: BucketsArg {
-                buckets: config.buckets,
+                buckets: Some(config.buckets),
             },
             ..RunArgs::default()
         };
