@@ -47,22 +47,20 @@ for _, call in ipairs({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL
   end
 end
 
--- A key that held 0 before its INCRBY (absent, or "0") is deleted by the
--- undo: absent reads as 0, and the failed call creates no keys.
-local was_zero = {}
+-- The loop does no more than one INCRBY per key: it runs for every counter
+-- of every batch. A key the undo brings back to 0 is deleted: it held 0
+-- before (absent, or "0"), absent reads as 0, and the failed call creates
+-- no keys.
 for i = 2, #KEYS do
   local added = redis.pcall('INCRBY', KEYS[i], ARGV[i + 2])
   if type(added) == 'table' and added.err then
     for j = i - 1, 2, -1 do
-      if was_zero[j] then
+      if redis.call('DECRBY', KEYS[j], ARGV[j + 2]) == 0 then
         redis.call('DEL', KEYS[j])
-      else
-        redis.call('DECRBY', KEYS[j], ARGV[j + 2])
       end
     end
     return {4, fence, i, added.err}
   end
-  was_zero[i] = added == tonumber(ARGV[i + 2])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence}
