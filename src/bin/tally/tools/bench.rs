@@ -106,6 +106,12 @@ pub struct BenchConfig {
     #[arg(long = "tally-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub tally_args: Vec<String>,
 
+    /// Another `tally run` to measure on each backlog, after the one with the defaults, as its
+    /// arguments in one string; repeatable: --variant "--buckets 16". Its row shows the
+    /// backlog's figures (no latency phase), so each setting's effect sits beside the defaults.
+    #[arg(long = "variant", value_name = "ARGS", allow_hyphen_values = true)]
+    pub variants: Vec<String>,
+
     /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -203,6 +209,8 @@ struct Outcome {
     naive: Measured,
     pipelined: Measured,
     tally: Measured,
+    /// `--variant` runs: their arguments and backlog figures.
+    variants: Vec<(String, Measured)>,
 }
 
 /// Settings of one baseline consumer, a child process of `tally bench`
@@ -375,6 +383,17 @@ fn workload(
         shape,
         latency,
     )?;
+    let mut variants = Vec::new();
+    for (i, args) in config.variants.iter().enumerate() {
+        eprintln!("{name}: tally run {args}...");
+        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let run = tally_run::Variant {
+            name: format!("{name}-v{i}"),
+            args: &args,
+        };
+        let measured = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
+        variants.push((args.join(" "), measured));
+    }
     Ok(Outcome {
         title,
         events: produced.acked,
@@ -383,6 +402,7 @@ fn workload(
         naive,
         pipelined,
         tally,
+        variants,
     })
 }
 

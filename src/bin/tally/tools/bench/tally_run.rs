@@ -163,7 +163,14 @@ pub(super) fn measure(
     let watch = FenceWatch::new(&env.redis, &prefix, &group, topic, partitions)?;
     let before = Usage::take(&mut conn, &env.broker_pid)?;
     let log_path = env.dir.join(format!("{name}-tally.log"));
-    let mut tally = TallyRun::start(env, topic, &group, &prefix, &log_path, watch)?;
+    let mut tally = TallyRun::start(
+        env,
+        topic,
+        (&group, &prefix),
+        &env.tally_args,
+        &log_path,
+        watch,
+    )?;
     let times = tally
         .until_caught_up(&marks, Some(&log_path))
         .map_err(|error| error.context(format!("see {}", log_path.display())))?;
@@ -184,6 +191,42 @@ pub(super) fn measure(
     tally.until_caught_up(&marks, None)?;
     measured.rss_kib = peak_rss_kib(&tally.pid).or(measured.rss_kib);
     measured.checked = Some(check_sample(&env.redis, &prefix, truth)?);
+    terminate(&mut tally.child);
+    Ok(measured)
+}
+
+/// A `tally run` measured on the backlog alone, under its own group and prefix.
+pub(super) struct Variant<'a> {
+    /// Its group and prefix.
+    pub name: String,
+    /// Its arguments, instead of the benchmark's `--tally-arg`s.
+    pub args: &'a [String],
+}
+
+/// Runs `tally run` with `variant`'s arguments on the backlog of `topic`
+/// (which must hold no more than `truth` counts); checks a sample of counts.
+pub(super) fn measure_backlog(
+    env: &Env,
+    topic: &str,
+    variant: &Variant,
+    partitions: u32,
+    truth: &FxHashMap<u64, i64>,
+) -> Result<Measured> {
+    let mut conn = redis_conn(&env.redis)?;
+    redis::cmd("FLUSHALL").arg("SYNC").query::<()>(&mut conn)?;
+    let name = &variant.name;
+    let marks = watermarks(&env.brokers, topic, partitions)?;
+    let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
+    let watch = FenceWatch::new(&env.redis, name, name, topic, partitions)?;
+    let before = Usage::take(&mut conn, &env.broker_pid)?;
+    let log_path = env.dir.join(format!("{name}.log"));
+    let mut tally = TallyRun::start(env, topic, (name, name), variant.args, &log_path, watch)?;
+    let times = tally
+        .until_caught_up(&marks, Some(&log_path))
+        .map_err(|error| error.context(format!("see {}", log_path.display())))?;
+    let after = Usage::take(&mut conn, &env.broker_pid)?;
+    let mut measured = tally.backlog_figures(&before, &after, total, times);
+    measured.checked = Some(check_sample(&env.redis, name, truth)?);
     terminate(&mut tally.child);
     Ok(measured)
 }
@@ -215,12 +258,12 @@ struct TallyRun {
 }
 
 impl TallyRun {
-    /// Starts `tally run` on `topic` with the benchmark's settings, logging to `log_path`.
+    /// Starts `tally run` on `topic` with the benchmark's settings and `args`, logging to `log_path`.
     fn start(
         env: &Env,
         topic: &str,
-        group: &str,
-        prefix: &str,
+        (group, prefix): (&str, &str),
+        args: &[String],
         log_path: &Path,
         watch: FenceWatch,
     ) -> Result<Self> {
@@ -239,7 +282,7 @@ impl TallyRun {
             .args(["--redis", &env.redis, "--prefix", prefix])
             .args(["--metrics-addr", &metrics.to_string()])
             .args(&env.kafka_args)
-            .args(&env.tally_args)
+            .args(args)
             .env("TALLY_LOG", "info,rdkafka=warn")
             .stdout(Stdio::null())
             .stderr(log)
