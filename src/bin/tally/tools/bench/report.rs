@@ -8,20 +8,9 @@ use anyhow::Result;
 
 use super::services::redis_conn;
 use super::{BenchConfig, Env, Measured, Outcome};
+pub(super) use crate::tools::markdown::thousands;
+use crate::tools::markdown::{machine, today_utc};
 use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
-
-/// 1234567 -> "1,234,567".
-pub(super) fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
 
 fn ratio(a: f64, b: f64) -> String {
     if b > 0.0 && a.is_finite() {
@@ -64,54 +53,6 @@ fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Res
         "| {label}{note} | {} | {consumer} | {broker} | {calls} | {cpu} | {latency} | {rss} | {checked} |",
         thousands(m.rate() as u64)
     )
-}
-
-fn machine() -> String {
-    let cores = std::thread::available_parallelism().map_or(0, usize::from);
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")?
-                .split_once(':')
-                .map(|(_, m)| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let mem_gib = meminfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("MemTotal:")?
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<f64>()
-                .ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!(
-        "{cores} cores ({model}), {mem_gib:.0} GiB, Linux {}",
-        kernel.trim()
-    )
-}
-
-/// Today's date (UTC) as YYYY-MM-DD.
-fn today_utc() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    // Civil-from-days, proleptic Gregorian calendar.
-    let z = (secs / 86_400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}")
 }
 
 /// librdkafka settings as `key=value, ...`.
