@@ -49,10 +49,6 @@ pub const DEFAULT_ROUTE_REFRESH_MS: u64 = 1_000;
 pub const DEFAULT_REGISTRY_WAIT_MS: u64 = 1_000;
 /// Default age at which a partition's batch closes (milliseconds).
 pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
-/// Default age at which the batch of a partition that is catching up closes (milliseconds).
-pub const DEFAULT_FLUSH_INTERVAL_BEHIND_MS: u64 = 500;
-/// A partition whose newest event is older than this is catching up (milliseconds).
-pub const BEHIND_AFTER_MS: i64 = 1_000;
 /// Default messages after which a partition's batch closes.
 pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 100_000;
 /// Default distinct (post, bucket) counters after which a partition's batch closes.
@@ -651,27 +647,10 @@ pub struct Batching {
     pub max_keys: usize,
     /// Age at which a partition's batch closes.
     pub flush_interval: Duration,
-    /// Age at which it closes while the partition is catching up (its newest
-    /// event more than [`BEHIND_AFTER_MS`] old): longer windows coalesce more
-    /// events per counter when latency is set by the backlog anyway.
-    pub flush_interval_behind: Duration,
     /// Scripts in flight to Redis at once, across partitions.
     pub max_in_flight: usize,
     /// How long shutdown waits for batches in flight.
     pub shutdown_timeout: Duration,
-}
-
-impl Batching {
-    /// The age at which a partition's batch closes, given the Kafka timestamp
-    /// of its newest event (`0`: none yet) and the time now, in milliseconds.
-    /// A producer clock that runs late only makes the windows longer.
-    pub fn flush_age(&self, newest_ms: i64, now_ms: i64) -> Duration {
-        if newest_ms > 0 && now_ms - newest_ms > BEHIND_AFTER_MS {
-            self.flush_interval_behind
-        } else {
-            self.flush_interval
-        }
-    }
 }
 
 impl Default for Batching {
@@ -680,7 +659,6 @@ impl Default for Batching {
             max_events: DEFAULT_BATCH_MAX_EVENTS,
             max_keys: DEFAULT_BATCH_MAX_KEYS,
             flush_interval: Duration::from_millis(DEFAULT_FLUSH_INTERVAL_MS),
-            flush_interval_behind: Duration::from_millis(DEFAULT_FLUSH_INTERVAL_BEHIND_MS),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             shutdown_timeout: Duration::from_secs(DEFAULT_SHUTDOWN_TIMEOUT_SECS),
         }
@@ -762,11 +740,6 @@ impl RunSettings {
             !self.batching.flush_interval.is_zero(),
             "flush-interval-ms",
             "must be at least 1",
-        );
-        check(
-            self.batching.flush_interval_behind >= self.batching.flush_interval,
-            "flush-interval-behind-ms",
-            "must be at least --flush-interval-ms",
         );
         check(
             self.batching.max_in_flight != 0,
@@ -862,23 +835,6 @@ mod tests {
 
     fn store(url: &str, password: Option<Password>) -> Result<StoreSettings, Vec<ConfigError>> {
         StoreSettings::new(url, password, DEFAULT_PREFIX, DEFAULT_SLOT_GROUPS)
-    }
-
-    #[test]
-    fn a_partition_behind_gets_the_longer_window() {
-        let b = Batching::default();
-        let now = 1_700_000_000_000;
-        let (short, long) = (b.flush_interval, b.flush_interval_behind);
-        assert!(long > short);
-        assert_eq!(b.flush_age(0, now), short, "no event yet");
-        assert_eq!(b.flush_age(now - 50, now), short, "caught up");
-        assert_eq!(b.flush_age(now - BEHIND_AFTER_MS, now), short);
-        assert_eq!(b.flush_age(now - BEHIND_AFTER_MS - 1, now), long, "behind");
-        assert_eq!(
-            b.flush_age(now + 60_000, now),
-            short,
-            "a clock that runs ahead"
-        );
     }
 
     #[test]

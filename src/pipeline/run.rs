@@ -626,8 +626,6 @@ impl Pipeline {
     /// Dispatches every batch that is full or old enough (or any, when
     /// flushing), and probes the fences of partitions that are caught up.
     fn dispatch_ready(&mut self, flush_all: bool) {
-        let now = wall_ms();
-        let batching = &self.settings.batching;
         let ready: Vec<i32> = self
             .owned
             .iter()
@@ -638,7 +636,7 @@ impl Pipeline {
                     } else {
                         flush_all
                             || s.batch.is_full(&self.limits)
-                            || s.batch.age() >= batching.flush_age(s.newest_seen_ms, now)
+                            || s.batch.age() >= self.flush_after
                     }
             })
             .map(|(&p, _)| p)

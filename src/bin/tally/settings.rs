@@ -249,11 +249,6 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS", default_value_t = lib::DEFAULT_FLUSH_INTERVAL_MS, help_heading = BATCHING)]
     pub flush_interval_ms: u64,
 
-    /// Close the batch of a partition that is catching up (its newest event more than 1 s
-    /// old) when it is this old (milliseconds): fewer increments per event while behind.
-    #[arg(long, env = "TALLY_FLUSH_INTERVAL_BEHIND_MS", default_value_t = lib::DEFAULT_FLUSH_INTERVAL_BEHIND_MS, help_heading = BATCHING)]
-    pub flush_interval_behind_ms: u64,
-
     /// Scripts in flight to Redis at once, across partitions (one per partition at most).
     #[arg(long, env = "TALLY_MAX_IN_FLIGHT", default_value_t = lib::DEFAULT_MAX_IN_FLIGHT, help_heading = BATCHING)]
     pub max_in_flight: usize,
@@ -382,7 +377,6 @@ impl RunArgs {
                 max_events: self.batch_max_events,
                 max_keys: self.batch_max_keys,
                 flush_interval: Duration::from_millis(self.flush_interval_ms),
-                flush_interval_behind: Duration::from_millis(self.flush_interval_behind_ms),
                 max_in_flight: self.max_in_flight,
                 shutdown_timeout: Duration::from_secs(self.shutdown_timeout_secs),
             },
