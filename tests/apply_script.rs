@@ -181,6 +181,89 @@ fn a_refused_key_writes_nothing() {
     assert_eq!(values, vec![12, 1, 4, 5]);
 }
 
+/// The script adds in Lua only what INCRBY would add the same way: for each odd value, the
+/// batch ends exactly as one INCRBY of that value on a key of its own ends (the same sum, or a
+/// refusal with nothing written).
+#[test]
+fn sums_made_in_lua_agree_with_incrby() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), "q");
+    let mut conn = redis.conn();
+    let odd = [
+        "007",
+        "1e3",
+        " 5",
+        "5.0",
+        "+5",
+        "-0",
+        "0x10",
+        "",
+        "9007199254740992",
+        "9007199254740993",
+        "-9007199254740993",
+        "9223372036854775806",
+        "-9223372036854775808",
+    ];
+    for (n, value) in odd.iter().enumerate() {
+        let post = 100 + n as u64;
+        let key = format!("q:likes:{post}:0");
+        let _: () = conn.set(&key, *value).unwrap();
+        let _: () = conn.set("q:plain", *value).unwrap();
+        let plain: redis::RedisResult<i64> = conn.incr("q:plain", 3);
+        let start = 10 * n as i64;
+        let batch = script(
+            start,
+            start + 9,
+            start - 1,
+            &[(1, 0, 1), (post, 0, 3), (2, 0, 1)],
+        );
+        let applied = rt.block_on(applier.apply_once(&batch)).unwrap();
+        let now: String = conn.get(&key).unwrap();
+        match plain {
+            Ok(sum) => {
+                assert_eq!(
+                    applied.unwrap(),
+                    reply(Decision::Apply, start - 1),
+                    "{value:?}"
+                );
+                assert_eq!(now, sum.to_string(), "{value:?}");
+            }
+            Err(_) => {
+                assert!(applied.is_err(), "{value:?} was added to: {now}");
+                assert_eq!(now, *value, "{value:?}");
+                let _: () = conn.set(&key, 0).unwrap();
+                rt.block_on(applier.apply_once(&batch)).unwrap().unwrap();
+            }
+        }
+    }
+    // Posts 1 and 2 took +1 from every batch, once each.
+    let (one, two): (i64, i64) = (
+        conn.get("q:likes:1:0").unwrap(),
+        conn.get("q:likes:2:0").unwrap(),
+    );
+    assert_eq!((one, two), (odd.len() as i64, odd.len() as i64));
+}
+
+/// A batch of more counters than one MGET or MSET takes is applied whole.
+#[test]
+fn a_batch_of_many_counters_is_applied_whole() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), "m");
+    let mut conn = redis.conn();
+    let deltas: Vec<(u64, u32, i64)> = (0..9_001u64).map(|p| (p, 0, p as i64 - 4_500)).collect();
+    for round in 0..2 {
+        let batch = script(round * 10, round * 10 + 9, -1, &deltas);
+        rt.block_on(applier.apply_once(&batch)).unwrap().unwrap();
+    }
+    let keys: Vec<String> = (0..9_001u64).map(|p| format!("m:likes:{p}:0")).collect();
+    let values: Vec<i64> = redis::cmd("MGET").arg(&keys).query(&mut conn).unwrap();
+    for (p, value) in values.iter().enumerate() {
+        assert_eq!(*value, 2 * (p as i64 - 4_500), "post {p}");
+    }
+}
+
 #[test]
 fn script_is_reloaded_after_script_flush() {
     let redis = RedisServer::start();
