@@ -25,7 +25,8 @@
 //! benchmark's own polling is subtracted), Redis CPU seconds per million
 //! events (`INFO cpu` delta), peak RSS of the consumer process (`VmHWM`), and
 //! for tally the produce-to-visible latency of a marker post while new events
-//! arrive at a fixed rate. Counts of a sample of posts are checked against the
+//! arrive at a fixed rate, and on the viral workload the writes per second of
+//! the busiest key and primary ([`hotkeys`]). Counts of a sample of posts are checked against the
 //! producer's truth. Broker, Redis, producer and consumers share the machine's
 //! cores, so the report names the machine; the CPU columns show who is busy.
 
@@ -46,6 +47,7 @@ use tally::read::Reader;
 use tally_run::{Latency, LatencyPlan};
 
 mod baseline;
+mod hotkeys;
 mod report;
 mod services;
 mod stages;
@@ -173,6 +175,8 @@ struct Measured {
     /// Where the latency phase's time went, by stage (tally only).
     stages: Vec<stages::StageFigure>,
     checked: Option<(usize, usize)>,
+    /// Writes to the busiest key and primary, for a workload with a viral post (tally only).
+    hot: Option<hotkeys::HotKeys>,
 }
 
 impl Measured {
@@ -211,6 +215,8 @@ struct Outcome {
     tally: Measured,
     /// `--variant` runs: their arguments and backlog figures.
     variants: Vec<(String, Measured)>,
+    /// The viral post's share of events.
+    viral_share: f64,
 }
 
 /// Settings of one baseline consumer, a child process of `tally bench`
@@ -403,6 +409,7 @@ fn workload(
         pipelined,
         tally,
         variants,
+        viral_share: shape.viral_share,
     })
 }
 

@@ -205,6 +205,7 @@ pub(super) fn measure(
         broker_cpu: broker_before.zip(broker_after).map(|(b, a)| a - b),
         latency: None,
         stages: Vec::new(),
+        hot: None,
         checked: if writes && complete {
             Some(check_sample(&env.redis, &prefix, truth)?)
         } else {

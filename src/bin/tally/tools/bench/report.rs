@@ -6,7 +6,9 @@ use std::path::Path;
 
 use anyhow::Result;
 
+use super::hotkeys::HotKeys;
 use super::services::redis_conn;
+use super::tally_run::HOT_KEY_SECS;
 use super::{BenchConfig, Env, Measured, Outcome};
 pub(super) use crate::tools::markdown::thousands;
 use crate::tools::markdown::{machine, today_utc};
@@ -254,7 +256,58 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
             parts.join(", ")
         )?;
     }
-    Ok(())
+    hot_keys(out, o)
+}
+
+/// The busiest key and primary of the viral workload, naive against tally.
+fn hot_keys(out: &mut String, o: &Outcome) -> std::fmt::Result {
+    let (Some(hot), Some(latency)) = (&o.tally.hot, o.tally.latency) else {
+        return Ok(());
+    };
+    let rate = latency.reached_rate as f64;
+    let naive = HotKeys::naive(rate, o.viral_share);
+    writeln!(
+        out,
+        "\nWrites at {} events/s, the latency phase's rate ({} s of it for tally, every command Redis ran listed by `MONITOR`; \
+         a 3-primary cluster's share computed from each key's slot under tally's slot groups):\n",
+        thousands(rate as u64),
+        HOT_KEY_SECS
+    )?;
+    writeln!(
+        out,
+        "| writer | busiest key, writes/s | busiest of 3 primaries, writes/s | counter writes/s in all |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|")?;
+    let line = |label: &str, h: &HotKeys| {
+        format!(
+            "| {label} | {} | {} | {} |",
+            thousands(h.key_rate.round() as u64),
+            thousands(h.busiest_primary().round() as u64),
+            thousands(h.total_rate.round() as u64)
+        )
+    };
+    writeln!(
+        out,
+        "{}",
+        line(
+            "naive, either (one write per event, computed: the viral post's share on one key)",
+            &naive
+        )
+    )?;
+    writeln!(
+        out,
+        "{}",
+        line(
+            &format!("tally run (measured; busiest key `{}`)", hot.key),
+            hot
+        )
+    )?;
+    writeln!(
+        out,
+        "\ntally / naive: busiest key **{}** fewer writes, busiest primary **{}** fewer.",
+        ratio(naive.key_rate, hot.key_rate),
+        ratio(naive.busiest_primary(), hot.busiest_primary())
+    )
 }
 
 const BEGIN: &str = "<!-- bench:begin (written by `tally bench --out`) -->";

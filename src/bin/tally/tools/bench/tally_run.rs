@@ -23,7 +23,7 @@ use rustc_hash::FxHashMap;
 use super::services::{
     RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, seal, self_command, terminate, watermarks,
 };
-use super::{Env, Measured, check_sample, stages};
+use super::{Env, Measured, check_sample, hotkeys, stages};
 use crate::tools::local::free_port;
 use crate::tools::produce::{Marker, Plan, Summary, progress_bar, send};
 use tally::domain::routing::{KeyLayout, bucket_of};
@@ -187,7 +187,15 @@ pub(super) fn measure(
     let stages_after = stages::scrape(tally.metrics);
     let breakdown = stages_before.and_then(|before| Ok(stages_after?.since(&before)));
     measured.stages = tally.or_stop(breakdown)?;
-    let marks = settled_watermarks(&env.brokers, topic, partitions, total + figures.events)?;
+    let mut events = total + figures.events;
+    if shape.viral_share > 0.0 {
+        let monitor = tally.or_stop(hotkeys::Monitor::start(&env.redis))?;
+        let phase = latency_phase(env, topic, &prefix, shape, rate, HOT_KEY_SECS, truth);
+        let hot = monitor.finish(&prefix);
+        events += tally.or_stop(phase)?.events;
+        measured.hot = Some(tally.or_stop(hot)?);
+    }
+    let marks = settled_watermarks(&env.brokers, topic, partitions, events)?;
     tally.until_caught_up(&marks, None)?;
     measured.rss_kib = peak_rss_kib(&tally.pid).or(measured.rss_kib);
     measured.checked = Some(check_sample(&env.redis, &prefix, truth)?);
@@ -343,6 +351,7 @@ impl TallyRun {
             broker_cpu: before.broker_cpu.zip(after.broker_cpu).map(|(b, a)| a - b),
             latency: None,
             stages: Vec::new(),
+            hot: None,
             checked: None,
         }
     }
@@ -428,6 +437,9 @@ pub(super) struct Latency {
     /// Events the broker acknowledged during the phase, its seals included.
     pub events: u64,
 }
+
+/// Length of the phase whose writes `MONITOR` counts, at the latency phase's rate.
+pub(super) const HOT_KEY_SECS: u64 = 5;
 
 /// Marker post of the latency phase, far from generated ids.
 pub(super) const MARKER_POST: u64 = 1 << 40;
