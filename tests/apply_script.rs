@@ -181,11 +181,10 @@ fn a_refused_key_writes_nothing() {
     assert_eq!(values, vec![12, 1, 4, 5]);
 }
 
-/// The script adds in Lua only what INCRBY would add the same way: for each odd value, the
-/// batch ends exactly as one INCRBY of that value on a key of its own ends (the same sum, or a
-/// refusal with nothing written).
+/// For each odd value a counter may hold, the batch ends exactly as one INCRBY of that value on
+/// a key of its own ends: the same sum, or a refusal with nothing written.
 #[test]
-fn sums_made_in_lua_agree_with_incrby() {
+fn odd_values_end_as_incrby_ends_them() {
     let redis = RedisServer::start();
     let rt = runtime();
     let applier = applier(&rt, &redis.url(), "q");
@@ -245,7 +244,7 @@ fn sums_made_in_lua_agree_with_incrby() {
     assert_eq!((one, two), (odd.len() as i64, odd.len() as i64));
 }
 
-/// A batch of more counters than one MGET or MSET takes is applied whole.
+/// A batch of more counters than Lua's `unpack()` takes at once is applied whole.
 #[test]
 fn a_batch_of_many_counters_is_applied_whole() {
     let redis = RedisServer::start();

@@ -1,7 +1,7 @@
 -- apply.lua: apply one slot group's share of a batch behind its fence, atomically.
 --
 -- KEYS[1]       the group's fence key (same hash slot as every counter key)
--- KEYS[2..n]    counter keys <prefix>:likes:<post>:<bucket>[:{tag}], distinct
+-- KEYS[2..n]    counter keys <prefix>:likes:<post>:<bucket>[:{tag}]
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
@@ -41,75 +41,25 @@ end
 -- its INCRBYs kept and the fence not moved; and its refusal names no
 -- command. Check them all before the first write (as acl_check.lua does for
 -- the other scripts; KEYS were checked when the script was called).
-for _, call in ipairs({{'MGET', KEYS[1]}, {'MSET', KEYS[1], '0'}, {'EXISTS', KEYS[1]}, {'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
+for _, call in ipairs({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
   if not redis.acl_check_cmd(unpack(call)) then
     return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
   end
 end
 
--- Lua numbers are doubles: integers are exact below 2^53 in magnitude.
-local EXACT = 9007199254740992
--- unpack() hands Redis at most about 8000 values at once; MSET takes two per counter.
-local CHUNK = 2000
-
--- The sums, read with MGET, added here and written back with MSET: a call
--- per CHUNK counters instead of an INCRBY per counter, which is what a
--- script's Redis time goes to. It writes nothing and returns false unless
--- every value is an integer spelt as Redis spells one (INCRBY would take
--- it), no counter is a key of another type (MGET reads those as absent),
--- and every sum is exact. Keys must be distinct: a key twice would be
--- read twice and written once.
-local function add_all()
-  local writes, absent = {}, {}
-  for from = 2, #KEYS, CHUNK do
-    local to = math.min(from + CHUNK - 1, #KEYS)
-    local values = redis.call('MGET', unpack(KEYS, from, to))
-    for k = 1, to - from + 1 do
-      local i = from + k - 1
-      local sum = tonumber(ARGV[i + 2])
-      local value = values[k]
-      if value then
-        local n = tonumber(value)
-        if not n or n >= EXACT or n <= -EXACT or string.format('%d', n) ~= value then
-          return false
-        end
-        sum = sum + n
-      else
-        absent[#absent + 1] = KEYS[i]
+-- The loop does no more than one INCRBY per key: it runs for every counter
+-- of every batch. A key the undo brings back to 0 is deleted: it held 0
+-- before (absent, or "0"), absent reads as 0, and the failed call creates
+-- no keys.
+for i = 2, #KEYS do
+  local added = redis.pcall('INCRBY', KEYS[i], ARGV[i + 2])
+  if type(added) == 'table' and added.err then
+    for j = i - 1, 2, -1 do
+      if redis.call('DECRBY', KEYS[j], ARGV[j + 2]) == 0 then
+        redis.call('DEL', KEYS[j])
       end
-      if sum >= EXACT or sum <= -EXACT then
-        return false
-      end
-      writes[#writes + 1] = KEYS[i]
-      writes[#writes + 1] = string.format('%d', sum)
     end
-  end
-  for from = 1, #absent, CHUNK do
-    if redis.call('EXISTS', unpack(absent, from, math.min(from + CHUNK - 1, #absent))) > 0 then
-      return false
-    end
-  end
-  for from = 1, #writes, 2 * CHUNK do
-    redis.call('MSET', unpack(writes, from, math.min(from + 2 * CHUNK - 1, #writes)))
-  end
-  return true
-end
-
--- Otherwise one INCRBY per counter, so that Redis itself judges each value.
--- If it refuses one, the deltas already added are taken back; a key the
--- undo brings back to 0 is deleted: it held 0 before (absent, or "0"),
--- absent reads as 0, and the failed call creates no keys.
-if not add_all() then
-  for i = 2, #KEYS do
-    local added = redis.pcall('INCRBY', KEYS[i], ARGV[i + 2])
-    if type(added) == 'table' and added.err then
-      for j = i - 1, 2, -1 do
-        if redis.call('DECRBY', KEYS[j], ARGV[j + 2]) == 0 then
-          redis.call('DEL', KEYS[j])
-        end
-      end
-      return {4, fence, i, added.err}
-    end
+    return {4, fence, i, added.err}
   end
 end
 redis.call('SET', KEYS[1], ARGV[2])

@@ -28,8 +28,8 @@ pub const RULES: &[Rule] = &[
     Rule {
         command: "run",
         needs: &[
-            "ping", "get", "mget", "set", "mset", "exists", "hget", "hmget", "hgetall", "hset",
-            "incrby", "decrby", "del", "time", "evalsha", "eval",
+            "ping", "get", "set", "exists", "hget", "hmget", "hgetall", "hset", "incrby", "decrby",
+            "del", "time", "evalsha", "eval",
         ],
         warns: &["config|get", "hsetnx", "hincrby", "expire", "info"],
     },
@@ -79,8 +79,8 @@ pub const RULES: &[Rule] = &[
     Rule {
         command: "rebuild",
         needs: &[
-            "ping", "get", "mget", "set", "mset", "del", "exists", "hget", "hmget", "hgetall",
-            "hset", "incrby", "decrby", "time", "evalsha", "eval",
+            "ping", "get", "set", "del", "exists", "hget", "hmget", "hgetall", "hset", "incrby",
+            "decrby", "time", "evalsha", "eval",
         ],
         warns: &["config|get"],
     },
@@ -108,16 +108,8 @@ const USES: &[(&str, &str)] = &[
     ),
     ("get", "counters, fences and the freeze flag"),
     (
-        "mget",
-        "counters: the apply script reads a batch's counters at once",
-    ),
-    (
         "set",
         "fences (in the apply script, and when they are reset) and the freeze flag",
-    ),
-    (
-        "mset",
-        "counters: the apply script writes a batch's sums at once",
     ),
     (
         "del",
@@ -125,7 +117,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "exists",
-        "the layout record and the generation pointer (is this a store that lost everything?); in the apply script, a counter MGET read as absent that is a key of another type",
+        "the layout record and the generation pointer (is this a store that lost everything?)",
     ),
     (
         "hget",
@@ -155,10 +147,7 @@ const USES: &[(&str, &str)] = &[
         "expire",
         "hot-post windows, which expire after a few seconds (refused, `run` promotes no hot post)",
     ),
-    (
-        "incrby",
-        "counters, in the apply script, when a value is not one it can add itself (Redis then judges each)",
-    ),
+    ("incrby", "counters, in the apply script"),
     (
         "decrby",
         "the apply script's undo when Redis refuses one counter of a batch",
