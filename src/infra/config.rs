@@ -52,7 +52,7 @@ pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
 /// Default messages after which a partition's batch closes.
 pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 100_000;
 /// Default distinct (post, bucket) counters after which a partition's batch closes.
-pub const DEFAULT_BATCH_MAX_KEYS: usize = 10_000;
+pub const DEFAULT_BATCH_MAX_KEYS: usize = 40_000;
 /// Default scripts in flight to Redis at once.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 8;
 /// Default wait for in-flight batches at shutdown (seconds).
