@@ -49,6 +49,7 @@ use tally_run::{Latency, LatencyPlan};
 mod baseline;
 mod hotkeys;
 mod report;
+mod scale;
 mod services;
 mod stages;
 mod tally_run;
@@ -177,6 +178,9 @@ struct Measured {
     checked: Option<(usize, usize)>,
     /// Writes to the busiest key and primary, for a workload with a viral post (tally only).
     hot: Option<hotkeys::HotKeys>,
+    /// Counter writes made while reading the backlog (tally's `tally_increments_total`;
+    /// the naive consumers write one per event).
+    writes: Option<u64>,
 }
 
 impl Measured {
@@ -187,6 +191,10 @@ impl Measured {
     fn calls_per_event(&self) -> Option<f64> {
         let (calls, _) = self.redis.as_ref()?;
         Some(calls.iter().map(|(_, n)| n).sum::<u64>() as f64 / self.events.max(1) as f64)
+    }
+
+    fn writes_per_event(&self) -> Option<f64> {
+        Some(self.writes? as f64 / self.events.max(1) as f64)
     }
 
     fn consumer_cpu_per_million(&self) -> Option<f64> {
@@ -215,8 +223,8 @@ struct Outcome {
     tally: Measured,
     /// `--variant` runs: their arguments and backlog figures.
     variants: Vec<(String, Measured)>,
-    /// The viral post's share of events.
-    viral_share: f64,
+    /// The workload's traffic.
+    shape: TrafficShape,
 }
 
 /// Settings of one baseline consumer, a child process of `tally bench`
@@ -409,7 +417,7 @@ fn workload(
         pipelined,
         tally,
         variants,
-        viral_share: shape.viral_share,
+        shape: shape.clone(),
     })
 }
 

@@ -206,6 +206,7 @@ pub(super) fn measure(
         latency: None,
         stages: Vec::new(),
         hot: None,
+        writes: writes.then_some(events),
         checked: if writes && complete {
             Some(check_sample(&env.redis, &prefix, truth)?)
         } else {

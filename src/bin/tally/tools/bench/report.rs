@@ -24,7 +24,10 @@ fn ratio(a: f64, b: f64) -> String {
 
 fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Result {
     let dash = || "–".to_string();
-    let calls = m.calls_per_event().map_or_else(dash, |c| format!("{c:.3}"));
+    let calls = m.calls_per_event().map_or_else(dash, |c| format!("{c:.4}"));
+    let writes = m
+        .writes_per_event()
+        .map_or_else(dash, |w| format!("{w:.3}"));
     let cpu = m.cpu_per_million().map_or_else(dash, |c| format!("{c:.2}"));
     let consumer = m
         .consumer_cpu_per_million()
@@ -52,7 +55,7 @@ fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Res
     });
     writeln!(
         out,
-        "| {label}{note} | {} | {consumer} | {broker} | {calls} | {cpu} | {latency} | {rss} | {checked} |",
+        "| {label}{note} | {} | {consumer} | {broker} | {calls} | {writes} | {cpu} | {latency} | {rss} | {checked} |",
         thousands(m.rate() as u64)
     )
 }
@@ -154,9 +157,9 @@ fn workload(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Re
 fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Result {
     writeln!(
         out,
-        "| consumer | events/s | consumer CPU s / 1M events | broker CPU s / 1M events | Redis calls / event | Redis CPU s / 1M events | produce→visible p50 / p99 | peak RSS | sampled counts |"
+        "| consumer | events/s | consumer CPU s / 1M events | broker CPU s / 1M events | Redis calls / event | counter writes / event | Redis CPU s / 1M events | produce→visible p50 / p99 | peak RSS | sampled counts |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---|---:|---|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---|---:|---|")?;
     row(out, "raw: receive + decode", &o.raw, "")?;
     let capped = |m: &Measured| {
         if m.complete {
@@ -197,9 +200,10 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
             _ => "–".into(),
         };
         format!(
-            "events/s **{}**, Redis calls per event **{}** fewer, Redis CPU per event **{}** less",
+            "events/s **{}**, Redis calls per event **{}** fewer, counter writes per event **{}** fewer, Redis CPU per event **{}** less",
             ratio(tally.rate(), naive.rate()),
             fewer(naive.calls_per_event(), tally.calls_per_event()),
+            fewer(naive.writes_per_event(), tally.writes_per_event()),
             fewer(naive.cpu_per_million(), tally.cpu_per_million()),
         )
     };
@@ -256,7 +260,12 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
             parts.join(", ")
         )?;
     }
-    hot_keys(out, o)
+    hot_keys(out, o)?;
+    if let Some(latency) = o.tally.latency {
+        let rate = latency.target_rate;
+        super::scale::table(out, &o.shape, rate, &o.tally, config.partitions)?;
+    }
+    Ok(())
 }
 
 /// The busiest key and primary of the viral workload, naive against tally.
@@ -265,7 +274,7 @@ fn hot_keys(out: &mut String, o: &Outcome) -> std::fmt::Result {
         return Ok(());
     };
     let rate = latency.reached_rate as f64;
-    let naive = HotKeys::naive(rate, o.viral_share);
+    let naive = HotKeys::naive(rate, o.shape.viral_share);
     writeln!(
         out,
         "\nWrites at {} events/s, the latency phase's rate ({} s of it for tally, every command Redis ran listed by `MONITOR`; \

@@ -28,8 +28,27 @@ pub(super) struct StageFigure {
     pub samples: u64,
 }
 
-/// `GET /metrics` from `addr`, as text.
+/// The stage histograms `addr` serves.
 pub(super) fn scrape(addr: SocketAddr) -> Result<Stages> {
+    Ok(parse(&metrics_text(addr)?))
+}
+
+/// The value of the unlabelled counter `name` that `addr` serves.
+pub(super) fn counter(addr: SocketAddr, name: &str) -> Result<f64> {
+    let text = metrics_text(addr)?;
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .with_context(|| format!("{addr}/metrics has no {name}"))
+}
+
+/// `GET /metrics` from `addr`, as text.
+fn metrics_text(addr: SocketAddr) -> Result<String> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
         .with_context(|| format!("connecting to tally's metrics at {addr}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -48,7 +67,7 @@ pub(super) fn scrape(addr: SocketAddr) -> Result<Stages> {
             head.lines().next().unwrap_or("")
         );
     }
-    Ok(parse(body))
+    Ok(body.to_string())
 }
 
 /// The `tally_stage_seconds_bucket` series of an exposition text.

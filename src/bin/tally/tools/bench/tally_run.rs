@@ -352,6 +352,9 @@ impl TallyRun {
             latency: None,
             stages: Vec::new(),
             hot: None,
+            writes: stages::counter(self.metrics, "tally_increments_total")
+                .ok()
+                .map(|n| n as u64),
             checked: None,
         }
     }
