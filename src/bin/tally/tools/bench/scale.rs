@@ -99,10 +99,12 @@ pub(super) fn table(
     let per_write = redis_cpu / writes.max(1e-9);
     writeln!(
         out,
-        "\nCost against scale at {rate} events/s (the latency phase's rate, {} ms batches): the row of 1 consumer on \
-         {measured_partitions} partitions is the backlog measured above; the others are simulated from {SIMULATED_SECS} s \
+        "\nCost against scale at {} events/s (the latency phase's rate, {} ms batches): the set-up run above is 1 consumer on \
+         {measured_partitions} partitions; every row is simulated from {SIMULATED_SECS} s \
          of the same generator, with Redis CPU at the measured {:.2} µs per counter write.\n",
-        DEFAULT_FLUSH_INTERVAL_MS, per_write
+        super::report::thousands(rate),
+        DEFAULT_FLUSH_INTERVAL_MS,
+        per_write
     )?;
     writeln!(
         out,
@@ -113,7 +115,7 @@ pub(super) fn table(
         let simulated = simulate(shape, rate, partitions);
         for consumers in CONSUMERS {
             let source = if consumers == 1 && partitions == measured_partitions {
-                "simulated; this machine's run is the backlog above"
+                "simulated; the set-up run above"
             } else {
                 "simulated"
             };
