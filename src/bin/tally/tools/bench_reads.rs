@@ -40,7 +40,7 @@ use tally::infra::config::{DEFAULT_SERVE_MAX_IDS, DEFAULT_SLOT_GROUPS};
 use tally::read::Reader;
 
 use crate::tools::local::{free_port, start_redis};
-use crate::tools::markdown::{machine, thousands, today_utc, write_between};
+use crate::tools::markdown::{header, thousands, today_utc, write_between};
 use clients::{Clients, Load, Programs};
 
 /// Settings of `tally bench-reads`.
@@ -550,12 +550,7 @@ fn ms(load: &Load) -> String {
 fn render(config: &BenchReadsConfig, run: &Run) -> Result<String> {
     let mut out = String::new();
     let (t, c, secs) = (config.threads, config.connections, config.secs);
-    writeln!(
-        out,
-        "Command: `{}` (release build).  ",
-        command_line().trim_end()
-    )?;
-    writeln!(out, "Machine: {}.  ", machine())?;
+    header(&mut out, &command_line())?;
     writeln!(
         out,
         "Date: {}. redis-server {} (no persistence) on the same machine; `tally serve` with its \

@@ -19,8 +19,15 @@ pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> Result<
     std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// A report's first two lines: the command it came from and the machine.
+pub fn header(out: &mut String, command: &str) -> std::fmt::Result {
+    use std::fmt::Write as _;
+    writeln!(out, "Command: `{}` (release build).  ", command.trim_end())?;
+    writeln!(out, "Machine: {}.  ", machine())
+}
+
 /// "2 cores (AMD EPYC 7B13), 24 GiB, Linux 6.1.0".
-pub fn machine() -> String {
+fn machine() -> String {
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo

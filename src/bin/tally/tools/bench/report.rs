@@ -11,7 +11,7 @@ use super::services::redis_conn;
 use super::tally_run::HOT_KEY_SECS;
 use super::{BenchConfig, Env, Measured, Outcome};
 pub(super) use crate::tools::markdown::thousands;
-use crate::tools::markdown::{machine, today_utc};
+use crate::tools::markdown::{header, today_utc};
 use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
 
 fn ratio(a: f64, b: f64) -> String {
@@ -105,12 +105,7 @@ fn command_line() -> String {
 
 /// The command, the machine, the client settings, the date and the services.
 fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fmt::Result {
-    writeln!(
-        out,
-        "Command: `{}` (release build).  ",
-        command_line().trim_end()
-    )?;
-    writeln!(out, "Machine: {}.  ", machine())?;
+    header(out, &command_line())?;
     if !config.kafka_config.is_empty() {
         writeln!(
             out,
