@@ -50,7 +50,7 @@ mod baseline;
 mod hotkeys;
 mod report;
 mod scale;
-mod services;
+pub(crate) mod services;
 mod stages;
 mod tally_run;
 

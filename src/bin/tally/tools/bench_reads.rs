@@ -39,6 +39,7 @@ use tally::infra::config::{DEFAULT_SERVE_MAX_CONCURRENT, StoreSettings};
 use tally::infra::config::{DEFAULT_SERVE_MAX_IDS, DEFAULT_SLOT_GROUPS};
 use tally::read::Reader;
 
+use crate::tools::bench::services::RedisSnapshot;
 use crate::tools::local::{free_port, start_redis};
 use crate::tools::markdown::{header, thousands, today_utc, write_between};
 use clients::{Clients, Load, Programs};
@@ -411,10 +412,10 @@ fn served(
     url: &str,
     script: Option<&Path>,
 ) -> Result<(Load, Vec<(String, u64)>)> {
-    let before = clients::command_calls(conn)?;
+    let before = RedisSnapshot::take(conn)?;
     let load = clients::wrk(programs, config.clients(), url, script)?;
-    let after = clients::command_calls(conn)?;
-    Ok((load, clients::calls_between(&before, &after)))
+    let after = RedisSnapshot::take(conn)?;
+    Ok((load, after.delta(&before)))
 }
 
 /// The cases, the baselines, and the check before them.

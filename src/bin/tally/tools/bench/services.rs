@@ -27,14 +27,14 @@ pub(super) fn self_command() -> Result<Command> {
 
 /// Command calls and CPU time of a Redis server at one moment.
 #[derive(Debug, Clone, Default)]
-pub(super) struct RedisSnapshot {
+pub(crate) struct RedisSnapshot {
     calls: FxHashMap<String, u64>,
     /// `used_cpu_sys + used_cpu_user`, seconds.
     pub cpu_secs: f64,
 }
 
 impl RedisSnapshot {
-    pub(super) fn take(conn: &mut redis::Connection) -> Result<Self> {
+    pub(crate) fn take(conn: &mut redis::Connection) -> Result<Self> {
         let info: String = redis::cmd("INFO").arg("commandstats").query(conn)?;
         let cpu: String = redis::cmd("INFO").arg("cpu").query(conn)?;
         let mut snapshot = RedisSnapshot::default();
@@ -62,8 +62,8 @@ impl RedisSnapshot {
         Ok(snapshot)
     }
 
-    /// Calls per command since `before`, largest first.
-    pub(super) fn delta(&self, before: &RedisSnapshot) -> Vec<(String, u64)> {
+    /// Calls per command since `before`, largest first (ties by name).
+    pub(crate) fn delta(&self, before: &RedisSnapshot) -> Vec<(String, u64)> {
         let mut calls: Vec<(String, u64)> = self
             .calls
             .iter()
@@ -75,7 +75,7 @@ impl RedisSnapshot {
             })
             .filter(|(_, n)| *n > 0)
             .collect();
-        calls.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+        calls.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         calls
     }
 }

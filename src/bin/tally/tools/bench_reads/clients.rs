@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use rustc_hash::FxHashMap;
 
 use crate::tools::local::find_program;
 
@@ -187,42 +186,6 @@ fn parse_csv(text: &str) -> Result<Load> {
         p50_ms: field(3)?,
         p99_ms: field(1)?,
     })
-}
-
-/// Command calls a redis-server has counted, by command (`INFO commandstats`),
-/// leaving out the `INFO` calls that read them.
-pub(super) fn command_calls(conn: &mut redis::Connection) -> Result<FxHashMap<String, u64>> {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(conn)?;
-    let mut calls = FxHashMap::default();
-    for line in info.lines() {
-        // cmdstat_get:calls=12,usec=...
-        if let Some((name, rest)) = line
-            .strip_prefix("cmdstat_")
-            .and_then(|l| l.split_once(':'))
-            && let Some(n) = rest
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .and_then(|c| c.parse().ok())
-            && name != "info"
-        {
-            calls.insert(name.to_string(), n);
-        }
-    }
-    Ok(calls)
-}
-
-/// Calls per command made between two [`command_calls`], largest first.
-pub(super) fn calls_between(
-    before: &FxHashMap<String, u64>,
-    after: &FxHashMap<String, u64>,
-) -> Vec<(String, u64)> {
-    let mut delta: Vec<(String, u64)> = after
-        .iter()
-        .map(|(name, &n)| (name.clone(), n - before.get(name).copied().unwrap_or(0)))
-        .filter(|&(_, n)| n > 0)
-        .collect();
-    delta.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    delta
 }
 
 /// A wrk script asking for one post per request, post `ids[i]` with
