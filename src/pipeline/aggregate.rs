@@ -121,8 +121,9 @@ impl Batch {
                 (delta != 0).then_some((id, delta))
             })
             .collect();
-        // A stable order makes scripts reproducible and logs comparable.
-        deltas.sort_unstable_by_key(|&(id, _)| id);
+        // By delta, then counter: the script takes equal deltas as one run
+        // (most are +1), and a stable order makes scripts reproducible.
+        deltas.sort_unstable_by_key(|&(id, delta)| (delta, id));
         let closed = ClosedBatch {
             start,
             last: self.last,
@@ -181,7 +182,7 @@ pub struct ClosedBatch {
     pub messages: u64,
     /// Bad messages in the range.
     pub bad: u64,
-    /// Non-zero net deltas, sorted by counter.
+    /// Non-zero net deltas, sorted by delta, then counter.
     pub deltas: Vec<(CounterId, i64)>,
 }
 
@@ -270,7 +271,7 @@ mod tests {
             let mut after: Vec<_> = split.iter().enumerate().flat_map(|(g, part)| {
                 part.iter().map(move |&(id, d)| { assert_eq!(groups.group_of(id.post_id, id.bucket), g as u32); (id, d) })
             }).collect();
-            after.sort_unstable_by_key(|&(id, _)| id);
+            after.sort_unstable_by_key(|&(id, d)| (d, id));
             prop_assert_eq!(after, before);
         }
     }

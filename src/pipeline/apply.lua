@@ -5,7 +5,8 @@
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
--- ARGV[4..]     one integer delta per counter key, in KEYS order
+-- ARGV[4..]     the deltas as runs, in KEYS order: pairs (delta, n), each
+--               adding delta to the next n counter keys; the n sum to #KEYS - 1
 --
 -- Returns {code, fence}; fence is the fence found before the call.
 --   0 applied: every delta added, fence set to last
@@ -48,18 +49,45 @@ for _, call in ipairs({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL
 end
 
 -- The loop does no more than one INCRBY per key: it runs for every counter
--- of every batch. A key the undo brings back to 0 is deleted: it held 0
--- before (absent, or "0"), absent reads as 0, and the failed call creates
--- no keys.
-for i = 2, #KEYS do
-  local added = redis.pcall('INCRBY', KEYS[i], ARGV[i + 2])
-  if type(added) == 'table' and added.err then
-    for j = i - 1, 2, -1 do
-      if redis.call('DECRBY', KEYS[j], ARGV[j + 2]) == 0 then
-        redis.call('DEL', KEYS[j])
+-- of every batch, so what it touches is held in locals (a global is a table
+-- lookup per use) and a delta shared by many keys is one argument for all of
+-- them. A key the undo brings back to 0 is deleted: it held 0 before
+-- (absent, or "0"), absent reads as 0, and the failed call creates no keys.
+local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
+local counted = 1
+for r = 4, #argv, 2 do
+  counted = counted + tonumber(argv[r + 1])
+end
+if counted ~= #keys or #argv % 2 ~= 1 then
+  return redis.error_reply('ERR apply.lua: the runs of ARGV[4..] cover ' .. (counted - 1) .. ' keys, KEYS names ' .. (#keys - 1))
+end
+
+local function undo(upto)
+  local k = 2
+  for r = 4, #argv, 2 do
+    local delta = argv[r]
+    for _ = 1, tonumber(argv[r + 1]) do
+      if k > upto then
+        return
       end
+      if redis.call('DECRBY', keys[k], delta) == 0 then
+        redis.call('DEL', keys[k])
+      end
+      k = k + 1
     end
-    return {4, fence, i, added.err}
+  end
+end
+
+local k = 2
+for r = 4, #argv, 2 do
+  local delta = argv[r]
+  for _ = 1, tonumber(argv[r + 1]) do
+    local added = pcall('INCRBY', keys[k], delta)
+    if kind(added) == 'table' then
+      undo(k - 1)
+      return {4, fence, k, added.err}
+    end
+    k = k + 1
   end
 end
 redis.call('SET', KEYS[1], ARGV[2])

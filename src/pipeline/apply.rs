@@ -157,10 +157,19 @@ pub fn script_call(
     cmd.arg(prepared.start)
         .arg(prepared.last)
         .arg(prepared.absent_fence);
-    for &(_, delta) in &prepared.deltas {
-        cmd.arg(delta);
+    for (delta, n) in runs(&prepared.deltas) {
+        cmd.arg(delta).arg(n);
     }
     cmd
+}
+
+/// The deltas as the script takes them: `(delta, n)` for each run of `n`
+/// consecutive counters with the same delta. Any order is right; deltas
+/// sorted by value (as batches close) make the fewest runs.
+pub fn runs(deltas: &[(CounterId, i64)]) -> impl Iterator<Item = (i64, usize)> + '_ {
+    deltas
+        .chunk_by(|a, b| a.1 == b.1)
+        .map(|run| (run[0].1, run.len()))
 }
 
 /// Applies batches to a Redis server or cluster.
@@ -441,6 +450,20 @@ impl FenceReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_cover_every_delta_in_order() {
+        let id = |post| CounterId::v0(post, 0);
+        let deltas = [(id(1), 1), (id(2), 1), (id(3), -1), (id(4), 1), (id(5), 2)];
+        let runs: Vec<_> = runs(&deltas).collect();
+        assert_eq!(runs, [(1, 2), (-1, 1), (1, 1), (2, 1)]);
+        let expanded: Vec<i64> = runs
+            .iter()
+            .flat_map(|&(d, n)| std::iter::repeat_n(d, n))
+            .collect();
+        assert_eq!(expanded, deltas.map(|(_, d)| d));
+        assert_eq!(super::runs(&[]).count(), 0);
+    }
 
     #[test]
     fn the_script_documents_its_contract() {
