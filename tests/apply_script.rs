@@ -181,6 +181,71 @@ fn a_refused_key_writes_nothing() {
     assert_eq!(values, vec![12, 1, 4, 5]);
 }
 
+/// The deltas travel as runs of equal values: a key refused in the middle of a run, after
+/// other runs, is named, and every key before it is restored.
+#[test]
+fn a_refusal_inside_a_run_restores_every_run_before_it() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), "u");
+    let mut conn = redis.conn();
+    // Runs, in the order batches close (by delta): -1 x 20, then 1 x 40, then 2 x 20.
+    let mut deltas: Vec<(u64, u32, i64)> = (0..20).map(|p| (p, 0, -1)).collect();
+    deltas.extend((20..60).map(|p| (p, 0, 1)));
+    deltas.extend((60..80).map(|p| (p, 0, 2)));
+    for p in (0..80u64).step_by(3) {
+        let _: () = conn.set(format!("u:likes:{p}:0"), 7).unwrap();
+    }
+    let _: () = conn.set("u:likes:45:0", "not a number").unwrap();
+    let keys: Vec<String> = (0..80u64).map(|p| format!("u:likes:{p}:0")).collect();
+    let before: Vec<Option<String>> = conn.mget(&keys).unwrap();
+    let batch = script(0, 9, -1, &deltas);
+    match rt.block_on(applier.apply_once(&batch)).unwrap() {
+        Err(tally::pipeline::apply::ApplyError::BadKey { key, .. }) => {
+            assert_eq!(key, "u:likes:45:0")
+        }
+        other => panic!("{other:?}"),
+    }
+    let after: Vec<Option<String>> = conn.mget(&keys).unwrap();
+    assert_eq!(after, before);
+    let _: () = conn.del("u:likes:45:0").unwrap();
+    rt.block_on(applier.apply_once(&batch)).unwrap().unwrap();
+    let values: Vec<Option<i64>> = conn.mget(&keys).unwrap();
+    for (p, value) in values.iter().enumerate() {
+        let base = if p % 3 == 0 && p != 45 { 7 } else { 0 };
+        let delta = deltas[p].2;
+        assert_eq!(value.unwrap_or(0), base + delta, "post {p}");
+    }
+}
+
+/// A call whose runs do not cover its keys is refused before anything is written.
+#[test]
+fn runs_that_do_not_cover_the_keys_are_refused() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let eval = |runs: &[i64]| {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(tally::pipeline::apply::APPLY_LUA)
+            .arg(4)
+            .arg("f")
+            .arg(&["k:1", "k:2", "k:3"][..])
+            .arg(&[0, 9, -1][..]);
+        cmd.arg(runs);
+        cmd
+    };
+    for runs in [&[1, 2][..], &[1, 4], &[1, 2, 1], &[]] {
+        let refused: redis::RedisResult<redis::Value> = eval(runs).query(&mut conn);
+        let error = refused.expect_err("a call with uncovered keys").to_string();
+        assert!(error.contains("runs of ARGV"), "{runs:?}: {error}");
+        let keys: Vec<String> = conn.keys("*").unwrap();
+        assert!(keys.is_empty(), "{runs:?} wrote {keys:?}");
+    }
+    let applied: Vec<i64> = eval(&[1, 2, 5, 1]).query(&mut conn).unwrap();
+    assert_eq!(applied, [0, -1]);
+    let values: Vec<i64> = conn.mget(&["k:1", "k:2", "k:3", "f"][..]).unwrap();
+    assert_eq!(values, [1, 1, 5, 9]);
+}
+
 /// For each odd value a counter may hold, the batch ends exactly as one INCRBY of that value on
 /// a key of its own ends: the same sum, or a refusal with nothing written.
 #[test]

@@ -54,11 +54,16 @@ end
 -- them. A key the undo brings back to 0 is deleted: it held 0 before
 -- (absent, or "0"), absent reads as 0, and the failed call creates no keys.
 local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
-local counted = 1
-for r = 4, #argv, 2 do
-  counted = counted + tonumber(argv[r + 1])
+local counted, whole = 1, #argv % 2 == 1
+for r = 4, #argv - 1, 2 do
+  local n = tonumber(argv[r + 1])
+  if not n or n < 0 or n % 1 ~= 0 then
+    whole = false
+    break
+  end
+  counted = counted + n
 end
-if counted ~= #keys or #argv % 2 ~= 1 then
+if not whole or counted ~= #keys then
   return redis.error_reply('ERR apply.lua: the runs of ARGV[4..] cover ' .. (counted - 1) .. ' keys, KEYS names ' .. (#keys - 1))
 end
 
