@@ -2,7 +2,8 @@
 //!
 //! * `decode+aggregate`: [`tally::pipeline::decode::decode`] of real encoded events plus
 //!   [`tally::pipeline::aggregate::Batch::add`], closing batches at the default limits
-//!   (100,000 events or 10,000 counters), as the consumer does per partition.
+//!   ([`DEFAULT_BATCH_MAX_EVENTS`] events or [`DEFAULT_BATCH_MAX_KEYS`] counters), as the
+//!   consumer does per partition.
 //!   Throughput is events.
 //! * `script call`: building the `EVALSHA` call of one closed batch with
 //!   [`tally::pipeline::apply::script_call`], the function the applier sends
@@ -18,14 +19,14 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tally::domain::routing::{KeyLayout, bucket_of};
 use tally::generate::{Traffic, TrafficShape};
-use tally::infra::config::DEFAULT_BUCKETS;
+use tally::infra::config::{DEFAULT_BATCH_MAX_EVENTS, DEFAULT_BATCH_MAX_KEYS, DEFAULT_BUCKETS};
 use tally::pipeline::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
 
 const EVENTS: usize = 200_000;
 const LIMITS: Limits = Limits {
-    max_events: 100_000,
-    max_keys: 10_000,
+    max_events: DEFAULT_BATCH_MAX_EVENTS,
+    max_keys: DEFAULT_BATCH_MAX_KEYS,
 };
 
 fn encoded_events() -> Vec<Vec<u8>> {

@@ -49,8 +49,11 @@ pub const DEFAULT_ROUTE_REFRESH_MS: u64 = 1_000;
 pub const DEFAULT_REGISTRY_WAIT_MS: u64 = 1_000;
 /// Default age at which a partition's batch closes (milliseconds).
 pub const DEFAULT_FLUSH_INTERVAL_MS: u64 = 100;
-/// Default messages after which a partition's batch closes.
-pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 100_000;
+/// Default messages after which a partition's batch closes. Set above what
+/// [`DEFAULT_BATCH_MAX_KEYS`] counters hold on skewed traffic (about 190,000
+/// Zipf events), so a partition catching up closes on its counters, which bound
+/// the script's time in Redis, rather than on a message count, which does not.
+pub const DEFAULT_BATCH_MAX_EVENTS: u64 = 400_000;
 /// Default distinct (post, bucket) counters after which a partition's batch closes.
 pub const DEFAULT_BATCH_MAX_KEYS: usize = 40_000;
 /// Default scripts in flight to Redis at once.

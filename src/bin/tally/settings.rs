@@ -237,13 +237,15 @@ pub struct RunArgs {
     #[serde(flatten)]
     pub registry_wait: RegistryWaitArgs,
 
-    /// Close a partition's batch after this many messages.
+    /// Close a partition's batch after this many messages. Bounds the offsets one batch
+    /// covers when its posts are few; on ordinary traffic a partition that is catching up
+    /// reaches --batch-max-keys first.
     #[arg(long, env = "TALLY_BATCH_MAX_EVENTS", default_value_t = lib::DEFAULT_BATCH_MAX_EVENTS, help_heading = BATCHING)]
     pub batch_max_events: u64,
 
     /// Close a partition's batch after this many distinct (post, bucket) counters. Only a
-    /// partition that is catching up fills one; its script then holds Redis for 1.5-2 µs
-    /// per counter (60-80 ms at 40,000), which other clients wait behind.
+    /// partition that is catching up fills one; its script then holds Redis for 1-2 µs
+    /// per counter (40-80 ms at 40,000), which other clients wait behind.
     #[arg(long, env = "TALLY_BATCH_MAX_KEYS", default_value_t = lib::DEFAULT_BATCH_MAX_KEYS, help_heading = BATCHING)]
     pub batch_max_keys: usize,
 
