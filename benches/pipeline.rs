@@ -96,13 +96,16 @@ fn bench(c: &mut Criterion) {
     group.throughput(Throughput::Elements(EVENTS as u64));
     let mut batch = Batch::new();
     let mut closed = Vec::new();
-    group.bench_function("zipf 1.1, 1M posts, 16 buckets", |b| {
-        b.iter(|| {
-            closed.clear();
-            aggregate(black_box(&payloads), &mut batch, &mut closed);
-            black_box(closed.len())
-        })
-    });
+    group.bench_function(
+        format!("zipf 1.1, 1M posts, {DEFAULT_BUCKETS} bucket(s)"),
+        |b| {
+            b.iter(|| {
+                closed.clear();
+                aggregate(black_box(&payloads), &mut batch, &mut closed);
+                black_box(closed.len())
+            })
+        },
+    );
     group.bench_function("decode only", |b| {
         b.iter(|| {
             payloads
