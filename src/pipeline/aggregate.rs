@@ -227,6 +227,41 @@ mod tests {
         assert!(closed.deltas.is_empty());
     }
 
+    /// The default message limit sits above what the default counter limit holds on the
+    /// benchmark's Zipf traffic, so a partition catching up closes its batch on counters, the
+    /// limit that bounds the script's time in Redis.
+    #[test]
+    fn a_full_batch_of_zipf_traffic_closes_on_its_counters() {
+        use crate::domain::routing::bucket_of;
+        use crate::generate::{Traffic, TrafficShape};
+        use crate::infra::config::{
+            DEFAULT_BATCH_MAX_EVENTS, DEFAULT_BATCH_MAX_KEYS, DEFAULT_BUCKETS,
+        };
+        let limits = Limits {
+            max_events: DEFAULT_BATCH_MAX_EVENTS,
+            max_keys: DEFAULT_BATCH_MAX_KEYS,
+        };
+        let shape = TrafficShape {
+            posts: 1_000_000,
+            viral_share: 0.0,
+            ..TrafficShape::default()
+        };
+        let mut traffic = Traffic::new(shape, 7);
+        let mut batch = Batch::new();
+        let mut offset = 0;
+        while !batch.is_full(&limits) {
+            let event = traffic.next_event();
+            let id = id(event.post_id, bucket_of(event.user_id, DEFAULT_BUCKETS));
+            batch.add(0, offset, id, event.delta());
+            offset += 1;
+        }
+        let (messages, counters) = (offset as u64, batch.deltas.len());
+        assert!(
+            messages < DEFAULT_BATCH_MAX_EVENTS,
+            "the batch closed on its {messages} messages with {counters} of {DEFAULT_BATCH_MAX_KEYS} counters"
+        );
+    }
+
     #[test]
     fn limits_close_batches() {
         let limits = Limits {
