@@ -17,6 +17,12 @@
 //!   has a fence, so neither is exactly-once across a crash;
 //! * **tally**: `tally run` with its defaults, as a user starts it.
 //!
+//! The pipelined naive consumer and tally read the backlog once more, each into
+//! a prefix whose counters exist before they start ([`present`]), so the cost
+//! of counting is seen apart from the cost of creating keys. Every pass but
+//! tally's with the defaults reads the backlog alone; that one goes on to the
+//! latency phase, which adds to the topic.
+//!
 //! It reports events/s (from the first event handled, or for tally from its
 //! partition assignment, to the last, so the group join is excluded; the
 //! naive consumers stop after `--naive-max-secs`), CPU per event of the
@@ -48,6 +54,7 @@ use tally_run::{Latency, LatencyPlan};
 
 mod baseline;
 mod hotkeys;
+mod present;
 mod report;
 mod scale;
 pub(crate) mod services;
@@ -109,9 +116,10 @@ pub struct BenchConfig {
     #[arg(long = "tally-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub tally_args: Vec<String>,
 
-    /// Another `tally run` to measure on each backlog, after the one with the defaults, as its
-    /// arguments in one string; repeatable: --variant "--buckets 16". Its row shows the
-    /// backlog's figures (no latency phase), so each setting's effect sits beside the defaults.
+    /// Another `tally run` to measure on each backlog, as its arguments in one string;
+    /// repeatable: --variant "--buckets 16". It reads the same backlog as the defaults, before
+    /// them, and its row shows the backlog's figures (no latency phase), so each setting's
+    /// effect sits beside the defaults.
     #[arg(long = "variant", value_name = "ARGS", allow_hyphen_values = true)]
     pub variants: Vec<String>,
 
@@ -181,6 +189,8 @@ struct Measured {
     /// Counter writes made while reading the backlog (tally's `tally_increments_total`;
     /// the naive consumers write one per event).
     writes: Option<u64>,
+    /// Keys Redis gained while the backlog was read: the counters created.
+    keys_created: Option<u64>,
 }
 
 impl Measured {
@@ -206,6 +216,10 @@ impl Measured {
         Some(self.broker_cpu? * 1e6 / self.events.max(1) as f64)
     }
 
+    fn keys_created_per_event(&self) -> Option<f64> {
+        Some(self.keys_created? as f64 / self.events.max(1) as f64)
+    }
+
     fn cpu_per_million(&self) -> Option<f64> {
         let (_, cpu) = self.redis.as_ref()?;
         Some(cpu * 1e6 / self.events.max(1) as f64)
@@ -223,6 +237,9 @@ struct Outcome {
     tally: Measured,
     /// `--variant` runs: their arguments and backlog figures.
     variants: Vec<(String, Measured)>,
+    /// The pipelined naive consumer and `tally run` on the backlog again, each
+    /// into a prefix whose counters exist ([`present`]).
+    present: (Measured, Measured),
     /// The workload's traffic.
     shape: TrafficShape,
 }
@@ -380,13 +397,35 @@ fn workload(
     );
     let mut truth = produced.truth;
     let backlog = produced.acked + seal(&env.brokers, &topic, &mut truth)?;
-    let measure = |kind: Baseline| {
-        eprintln!("{name}: {} consumer...", kind.name());
-        baseline::measure(kind, env, &topic, name, &truth, backlog)
+    let measure = |kind: Baseline, present: bool| {
+        let counters = if present { ", counters present" } else { "" };
+        eprintln!("{name}: {} consumer{counters}...", kind.name());
+        baseline::measure(kind, env, &topic, name, &truth, backlog, present)
     };
-    let raw = measure(Baseline::Raw)?;
-    let naive = measure(Baseline::Naive)?;
-    let pipelined = measure(Baseline::NaivePipelined)?;
+    let raw = measure(Baseline::Raw, false)?;
+    let naive = measure(Baseline::Naive, false)?;
+    let pipelined = measure(Baseline::NaivePipelined, false)?;
+    let pipelined_present = measure(Baseline::NaivePipelined, true)?;
+    // The backlog-only runs go first, while the topic holds the backlog alone.
+    let mut variants = Vec::new();
+    for (i, args) in config.variants.iter().enumerate() {
+        eprintln!("{name}: tally run {args}...");
+        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let run = tally_run::Variant {
+            name: format!("{name}-v{i}"),
+            args: &args,
+            present: false,
+        };
+        let measured = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
+        variants.push((args.join(" "), measured));
+    }
+    eprintln!("{name}: tally run, counters present...");
+    let run = tally_run::Variant {
+        name: format!("{name}-present"),
+        args: &env.tally_args,
+        present: true,
+    };
+    let tally_present = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
     eprintln!("{name}: tally run...");
     let tally = tally_run::measure(
         env,
@@ -397,17 +436,6 @@ fn workload(
         shape,
         latency,
     )?;
-    let mut variants = Vec::new();
-    for (i, args) in config.variants.iter().enumerate() {
-        eprintln!("{name}: tally run {args}...");
-        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
-        let run = tally_run::Variant {
-            name: format!("{name}-v{i}"),
-            args: &args,
-        };
-        let measured = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
-        variants.push((args.join(" "), measured));
-    }
     Ok(Outcome {
         title,
         events: produced.acked,
@@ -417,6 +445,7 @@ fn workload(
         pipelined,
         tally,
         variants,
+        present: (pipelined_present, tally_present),
         shape: shape.clone(),
     })
 }

@@ -146,7 +146,8 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs a baseline child on the whole backlog of `topic` and parses its figures.
+/// Runs a baseline child on the whole backlog of `topic` and parses its figures;
+/// with `present`, into a prefix whose counters exist ([`super::present`]).
 pub(super) fn measure(
     kind: Baseline,
     env: &Env,
@@ -154,12 +155,20 @@ pub(super) fn measure(
     name: &str,
     truth: &FxHashMap<u64, i64>,
     total: u64,
+    present: bool,
 ) -> Result<Measured> {
     let mut conn = redis_conn(&env.redis)?;
     redis::cmd("FLUSHALL").arg("SYNC").query::<()>(&mut conn)?;
+    let prefix = if present {
+        format!("{name}-{}-present", kind.name())
+    } else {
+        format!("{name}-{}", kind.name())
+    };
+    if present {
+        super::present::seed(&mut conn, &prefix, truth, DEFAULT_BUCKETS)?;
+    }
     let before = RedisSnapshot::take(&mut conn)?;
     let broker_before = cpu_secs(&env.broker_pid);
-    let prefix = format!("{name}-{}", kind.name());
     let output = self_command()?
         .arg("bench-baseline")
         .args(["--baseline", kind.name()])
@@ -207,6 +216,7 @@ pub(super) fn measure(
         stages: Vec::new(),
         hot: None,
         writes: writes.then_some(events),
+        keys_created: writes.then(|| after.keys.saturating_sub(before.keys)),
         checked: if writes && complete {
             Some(check_sample(&env.redis, &prefix, truth)?)
         } else {

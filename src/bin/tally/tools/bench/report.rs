@@ -170,12 +170,12 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
     row(out, "naive: INCR per event", &o.naive, &capped(&o.naive))?;
     let label = "naive, pipelined per poll batch";
     row(out, label, &o.pipelined, &capped(&o.pipelined))?;
-    let label = if config.tally_args.is_empty() {
+    let label_tally = if config.tally_args.is_empty() {
         "tally run (defaults)".to_string()
     } else {
         format!("tally run ({})", config.tally_args.join(" "))
     };
-    row(out, &label, &o.tally, "")?;
+    row(out, &label_tally, &o.tally, "")?;
     for (args, measured) in &o.variants {
         row(
             out,
@@ -184,6 +184,11 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
             "",
         )?;
     }
+    let (naive, tally) = &o.present;
+    let label = "naive, pipelined per poll batch, counters present";
+    row(out, label, naive, &capped(naive))?;
+    let label = format!("{label_tally}, counters present, backlog only");
+    row(out, &label, tally, "")?;
     Ok(())
 }
 
@@ -216,7 +221,25 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
             versus(measured, &o.pipelined)
         )?;
     }
-    Ok(())
+    let (naive, tally) = &o.present;
+    writeln!(
+        out,
+        "Counters present, tally / naive pipelined: {}.  ",
+        versus(tally, naive)
+    )?;
+    let created = |m: &Measured| {
+        m.keys_created_per_event()
+            .map_or_else(|| "–".into(), |k| format!("{k:.4}"))
+    };
+    writeln!(
+        out,
+        "Keys created per event while reading the backlog (`DBSIZE` after, less before): naive pipelined {}, tally {}; \
+         with the counters present {} and {}.",
+        created(&o.pipelined),
+        created(&o.tally),
+        created(naive),
+        created(tally)
+    )
 }
 
 /// tally's Redis calls by command and how its latency was measured, when known.

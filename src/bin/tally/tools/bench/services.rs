@@ -31,13 +31,18 @@ pub(crate) struct RedisSnapshot {
     calls: FxHashMap<String, u64>,
     /// `used_cpu_sys + used_cpu_user`, seconds.
     pub cpu_secs: f64,
+    /// Keys in the database (`DBSIZE`).
+    pub keys: u64,
 }
 
 impl RedisSnapshot {
     pub(crate) fn take(conn: &mut redis::Connection) -> Result<Self> {
         let info: String = redis::cmd("INFO").arg("commandstats").query(conn)?;
         let cpu: String = redis::cmd("INFO").arg("cpu").query(conn)?;
-        let mut snapshot = RedisSnapshot::default();
+        let mut snapshot = RedisSnapshot {
+            keys: redis::cmd("DBSIZE").query(conn)?,
+            ..RedisSnapshot::default()
+        };
         for line in info.lines() {
             // cmdstat_incrby:calls=12,usec=...
             if let Some((name, rest)) = line

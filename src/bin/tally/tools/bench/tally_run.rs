@@ -209,6 +209,8 @@ pub(super) struct Variant<'a> {
     pub name: String,
     /// Its arguments, instead of the benchmark's `--tally-arg`s.
     pub args: &'a [String],
+    /// Whether its prefix's counters exist before it starts ([`super::present`]).
+    pub present: bool,
 }
 
 /// Runs `tally run` with `variant`'s arguments on the backlog of `topic`
@@ -223,6 +225,11 @@ pub(super) fn measure_backlog(
     let mut conn = redis_conn(&env.redis)?;
     redis::cmd("FLUSHALL").arg("SYNC").query::<()>(&mut conn)?;
     let name = &variant.name;
+    if variant.present {
+        let buckets = buckets_of(variant.args);
+        super::present::record(&env.redis, name, topic, name, buckets)?;
+        super::present::seed(&mut conn, name, truth, buckets)?;
+    }
     let marks = watermarks(&env.brokers, topic, partitions)?;
     let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
     let watch = FenceWatch::new(&env.redis, name, name, topic, partitions)?;
@@ -355,6 +362,7 @@ impl TallyRun {
             writes: stages::counter(self.metrics, "tally_increments_total")
                 .ok()
                 .map(|n| n as u64),
+            keys_created: Some(after.redis.keys.saturating_sub(before.redis.keys)),
             checked: None,
         }
     }
@@ -373,7 +381,12 @@ pub(super) struct LatencyPlan {
 
 /// The buckets per post the measured `tally run` writes: its `--buckets` argument, if given.
 fn buckets(env: &Env) -> u32 {
-    let mut args = env.tally_args.iter();
+    buckets_of(&env.tally_args)
+}
+
+/// The buckets per post of a `tally run` with `args`.
+fn buckets_of(args: &[String]) -> u32 {
+    let mut args = args.iter();
     while let Some(arg) = args.next() {
         let value = match arg.strip_prefix("--buckets") {
             Some("") => args.next().map(String::as_str),

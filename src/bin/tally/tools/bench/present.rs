@@ -1,0 +1,77 @@
+//! Counters present: passes of the pipelined naive consumer and of `tally run`
+//! over a prefix whose counter keys exist before the first event is read, as
+//! in a deployment that has been counting its posts for a while.
+//!
+//! On a new prefix each post's first write creates its key, which costs Redis
+//! more than incrementing one. Every consumer creates the same keys however it
+//! batches, so the creations are a floor under any consumer's Redis CPU, and
+//! the larger share of tally's, whose writes are few. Before such a pass the
+//! benchmark sets each post's version-0 counters to `0` (and, for tally, writes
+//! the layout record its first start would write): counts stay exact, and what
+//! the pass measures is the cost of counting into keys that exist.
+
+use anyhow::Result;
+use rustc_hash::FxHashMap;
+
+use tally::domain::layout::{FORMAT, Record, ensure_record, open};
+use tally::domain::routing::{CounterId, KeyLayout};
+use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
+
+/// Keys set per pipeline while seeding.
+const SEED_CHUNK: usize = 10_000;
+
+/// Sets every version-0 counter of every post of `truth` under `prefix` to
+/// `0`, for `buckets` buckets per post; returns the keys set.
+pub(super) fn seed(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    truth: &FxHashMap<u64, i64>,
+    buckets: u32,
+) -> Result<u64> {
+    let layout = KeyLayout::new(prefix);
+    let mut posts: Vec<u64> = truth.keys().copied().collect();
+    posts.sort_unstable();
+    let mut key = String::with_capacity(64);
+    let mut set = 0u64;
+    for chunk in posts.chunks(SEED_CHUNK) {
+        let mut pipe = redis::pipe();
+        for &post in chunk {
+            for bucket in 0..buckets {
+                layout.write_counter_key(&mut key, CounterId::v0(post, bucket));
+                pipe.cmd("SET").arg(key.as_str()).arg(0).ignore();
+                set += 1;
+            }
+        }
+        pipe.query::<()>(conn)?;
+    }
+    Ok(set)
+}
+
+/// Writes the layout record that a first `tally run` with `buckets`, `topic`
+/// and `group` would write under `prefix`, so that its start finds its own
+/// record beside the seeded keys instead of data to adopt.
+pub(super) fn record(
+    redis_url: &str,
+    prefix: &str,
+    topic: &str,
+    group: &str,
+    buckets: u32,
+) -> Result<()> {
+    tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current().block_on(async {
+            let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
+                .map_err(crate::errors::Problems)?;
+            let opened = open(&settings).await?;
+            let proposed = Record {
+                format: FORMAT,
+                buckets,
+                slot_groups: 1,
+                topic: topic.to_string(),
+                group: group.to_string(),
+                created_at_ms: tally::domain::versions::wall_ms(),
+            };
+            ensure_record(&opened.store, settings.prefix(), &proposed).await?;
+            anyhow::Ok(())
+        })
+    })
+}
