@@ -27,6 +27,8 @@ pub enum Command {
     Bench(Box<tools::bench::BenchConfig>),
     /// Measure `tally serve` with wrk against direct MGETs of the same keys, on a private redis-server.
     BenchReads(Box<tools::bench_reads::BenchReadsConfig>),
+    /// Measure what one counter write costs Redis: in apply.lua, in a transaction, pipelined.
+    BenchWrites(Box<tools::bench_writes::BenchWritesConfig>),
     /// One baseline consumer of `tally bench`, run as its child process.
     #[command(hide = true)]
     BenchBaseline(Box<tools::bench::BaselineArgs>),

@@ -62,6 +62,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Produce(config) => tools::produce::produce(*config).await,
         Command::Bench(config) => tools::bench::bench(*config).await,
         Command::BenchReads(config) => tools::bench_reads::bench_reads(*config).await,
+        Command::BenchWrites(config) => tools::bench_writes::bench_writes(*config).await,
         Command::BenchBaseline(args) => tools::bench::baseline(*args).await,
         Command::Inspect(inspect) => inspect::inspect(inspect).await,
         Command::Count(args) => reads::count(&args).await,

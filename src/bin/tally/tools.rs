@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod bench_reads;
+pub mod bench_writes;
 pub mod demo;
 pub mod local;
 pub mod markdown;

@@ -61,7 +61,7 @@ pub(crate) mod services;
 mod stages;
 mod tally_run;
 
-pub use baseline::Baseline;
+pub use baseline::{Baseline, NAIVE_POLL_BATCH};
 use services::{create_topic, seal};
 
 use crate::settings::{StoreArgs, parse_key_value};
