@@ -14,9 +14,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use rdkafka::ClientContext;
-use rdkafka::consumer::{
-    BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
-};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
@@ -56,6 +54,12 @@ pub struct TallyContext {
     queue: Mutex<Vec<Rebalanced>>,
     /// The last SASL or TLS refusal librdkafka reported, for the start-up check.
     refused: Mutex<Option<KafkaRefusal>>,
+    /// Whether the group rebalances incrementally, as the consumer's
+    /// `partition.assignment.strategy` says ([`cooperative`]). Decided once at
+    /// creation: asked of librdkafka inside the final revoke of a closing
+    /// consumer, the protocol can come back as none or never come back, and
+    /// the close then waits forever for an unassignment of the wrong kind.
+    cooperative: bool,
 }
 
 impl TallyContext {
@@ -66,6 +70,7 @@ impl TallyContext {
             fences: Mutex::new(fences),
             queue: Mutex::new(Vec::new()),
             refused: Mutex::new(None),
+            cooperative: false,
         }
     }
 
@@ -151,9 +156,10 @@ impl TallyContext {
         }
         info!(partitions = %resume.join(" "), "Partitions assigned.");
         self.push(Rebalanced::Assigned(assignments));
-        let result = match consumer.rebalance_protocol() {
-            RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
-            _ => consumer.assign(tpl),
+        let result = if self.cooperative {
+            consumer.incremental_assign(tpl)
+        } else {
+            consumer.assign(tpl)
         };
         if let Err(error) = result {
             error!(%error, "Assigning partitions failed.");
@@ -168,9 +174,10 @@ impl TallyContext {
             .collect();
         info!(?partitions, "Partitions revoked.");
         self.push(Rebalanced::Revoked(partitions));
-        let result = match consumer.rebalance_protocol() {
-            RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
-            _ => consumer.unassign(),
+        let result = if self.cooperative {
+            consumer.incremental_unassign(tpl)
+        } else {
+            consumer.unassign()
         };
         if let Err(error) = result {
             warn!(%error, "Unassigning partitions failed.");
@@ -274,7 +281,7 @@ pub type LikeConsumer = StreamConsumer<TallyContext>;
 pub fn create_consumer(
     kafka: &KafkaSettings,
     group: &str,
-    context: TallyContext,
+    mut context: TallyContext,
 ) -> KafkaResult<LikeConsumer> {
     let mut config = kafka_client_config(&kafka.brokers, &[]);
     config
@@ -301,7 +308,15 @@ pub fn create_consumer(
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
+    context.cooperative = cooperative(config.get("partition.assignment.strategy"));
     config.create_with_context(context)
+}
+
+/// Whether a consumer with this `partition.assignment.strategy` rebalances
+/// incrementally: librdkafka's one cooperative assignor, alone (it refuses
+/// to mix it with eager ones).
+pub fn cooperative(strategy: Option<&str>) -> bool {
+    strategy.is_some_and(|s| s.split(',').all(|name| name.trim() == "cooperative-sticky"))
 }
 
 /// Why the topic cannot be consumed.
@@ -409,4 +424,20 @@ pub fn check_topic<C: Consumer<X>, X: ConsumerContext>(
         return Err(missing());
     }
     Ok(found.partitions().len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cooperative;
+
+    #[test]
+    fn only_the_cooperative_assignor_alone_rebalances_incrementally() {
+        assert!(cooperative(Some("cooperative-sticky")));
+        assert!(cooperative(Some(" cooperative-sticky ")));
+        // librdkafka's default, and eager assignors named by -X.
+        assert!(!cooperative(None));
+        assert!(!cooperative(Some("range,roundrobin")));
+        assert!(!cooperative(Some("range")));
+        assert!(!cooperative(Some("cooperative-sticky,range")));
+    }
 }

@@ -20,7 +20,6 @@ use rustc_hash::FxHashMap;
 
 use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command};
 use super::{BaselineArgs, Env, Measured, check_sample};
-use tally::domain::layout::Record;
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
 use tally::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 
@@ -49,25 +48,15 @@ impl Baseline {
     }
 }
 
-/// Runs one baseline until it has handled `--events` messages (or, for the
-/// naive ones, `--naive-max-secs` have passed since its first message) and
-/// prints `events= secs= rss_kib= cpu_secs=` on stdout.
 /// Records the layout the naive consumers write, so tally's reader can
 /// check their counts as it checks tally's.
 async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<()> {
-    let opened = tally::domain::layout::open(store).await?;
-    let record = Record {
-        format: tally::domain::layout::FORMAT,
-        buckets: DEFAULT_BUCKETS,
-        slot_groups: 1,
-        topic: config.topic.clone(),
-        group: config.group.clone(),
-        created_at_ms: tally::domain::versions::wall_ms(),
-    };
-    tally::domain::layout::ensure_record(&opened.store, store.prefix(), &record).await?;
-    Ok(())
+    super::present::write_record(store, &config.topic, &config.group, DEFAULT_BUCKETS).await
 }
 
+/// Runs one baseline until it has handled `--events` messages (or, for the
+/// naive ones, `--naive-max-secs` have passed since its first message) and
+/// prints `events= secs= rss_kib= cpu_secs=` on stdout.
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
     let store = config.store.settings().map_err(crate::errors::Problems)?;

@@ -2,13 +2,11 @@
 //! over a prefix whose counter keys exist before the first event is read, as
 //! in a deployment that has been counting its posts for a while.
 //!
-//! On a new prefix each post's first write creates its key, which costs Redis
-//! more than incrementing one. Every consumer creates the same keys however it
-//! batches, so the creations are a floor under any consumer's Redis CPU, and
-//! the larger share of tally's, whose writes are few. Before such a pass the
-//! benchmark sets each post's version-0 counters to `0` (and, for tally, writes
-//! the layout record its first start would write): counts stay exact, and what
-//! the pass measures is the cost of counting into keys that exist.
+//! On a new prefix each post's first write creates its key, and every consumer
+//! creates the same keys however it batches; these passes show what the
+//! creations cost, by counting without them. Before such a pass the benchmark
+//! sets each post's version-0 counters to `0` (and, for tally, writes the
+//! layout record its first start would write): counts stay exact.
 
 use anyhow::Result;
 use rustc_hash::FxHashMap;
@@ -21,30 +19,28 @@ use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
 const SEED_CHUNK: usize = 10_000;
 
 /// Sets every version-0 counter of every post of `truth` under `prefix` to
-/// `0`, for `buckets` buckets per post; returns the keys set.
+/// `0`, for `buckets` buckets per post.
 pub(super) fn seed(
     conn: &mut redis::Connection,
     prefix: &str,
     truth: &FxHashMap<u64, i64>,
     buckets: u32,
-) -> Result<u64> {
+) -> Result<()> {
     let layout = KeyLayout::new(prefix);
     let mut posts: Vec<u64> = truth.keys().copied().collect();
     posts.sort_unstable();
     let mut key = String::with_capacity(64);
-    let mut set = 0u64;
     for chunk in posts.chunks(SEED_CHUNK) {
         let mut pipe = redis::pipe();
         for &post in chunk {
             for bucket in 0..buckets {
                 layout.write_counter_key(&mut key, CounterId::v0(post, bucket));
                 pipe.cmd("SET").arg(key.as_str()).arg(0).ignore();
-                set += 1;
             }
         }
         pipe.query::<()>(conn)?;
     }
-    Ok(set)
+    Ok(())
 }
 
 /// Writes the layout record that a first `tally run` with `buckets`, `topic`
@@ -61,17 +57,28 @@ pub(super) fn record(
         tokio::runtime::Handle::current().block_on(async {
             let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
                 .map_err(crate::errors::Problems)?;
-            let opened = open(&settings).await?;
-            let proposed = Record {
-                format: FORMAT,
-                buckets,
-                slot_groups: 1,
-                topic: topic.to_string(),
-                group: group.to_string(),
-                created_at_ms: tally::domain::versions::wall_ms(),
-            };
-            ensure_record(&opened.store, settings.prefix(), &proposed).await?;
-            anyhow::Ok(())
+            write_record(&settings, topic, group, buckets).await
         })
     })
+}
+
+/// Writes the layout record of a writer with `buckets` on a single server,
+/// unless the prefix has one.
+pub(super) async fn write_record(
+    store: &StoreSettings,
+    topic: &str,
+    group: &str,
+    buckets: u32,
+) -> Result<()> {
+    let opened = open(store).await?;
+    let proposed = Record {
+        format: FORMAT,
+        buckets,
+        slot_groups: 1,
+        topic: topic.to_string(),
+        group: group.to_string(),
+        created_at_ms: tally::domain::versions::wall_ms(),
+    };
+    ensure_record(&opened.store, store.prefix(), &proposed).await?;
+    Ok(())
 }
