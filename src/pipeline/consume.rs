@@ -428,7 +428,10 @@ pub fn check_topic<C: Consumer<X>, X: ConsumerContext>(
 
 #[cfg(test)]
 mod tests {
-    use super::cooperative;
+    use super::*;
+    use crate::domain::routing::KeyLayout;
+    use crate::infra::config::KafkaSecurity;
+    use crate::infra::store::RedisUrl;
 
     #[test]
     fn only_the_cooperative_assignor_alone_rebalances_incrementally() {
@@ -439,5 +442,30 @@ mod tests {
         assert!(!cooperative(Some("range,roundrobin")));
         assert!(!cooperative(Some("range")));
         assert!(!cooperative(Some("cooperative-sticky,range")));
+    }
+
+    fn created_with(extra: &[(&str, &str)]) -> bool {
+        let kafka = KafkaSettings {
+            brokers: "127.0.0.1:1".into(),
+            topic: "likes".into(),
+            group: "tally".into(),
+            dead_letter_topic: None,
+            security: KafkaSecurity::default(),
+            extra: extra
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let url = RedisUrl::parse("redis://127.0.0.1:1/").unwrap();
+        let fences = FenceReader::new(url.target().clone(), KeyLayout::new("t"), "tally", "likes");
+        let consumer =
+            create_consumer(&kafka, "tally", TallyContext::new("likes", fences)).unwrap();
+        consumer.context().cooperative
+    }
+
+    #[tokio::test]
+    async fn the_consumer_knows_its_protocol_from_its_strategy() {
+        assert!(created_with(&[]));
+        assert!(!created_with(&[("partition.assignment.strategy", "range")]));
     }
 }
