@@ -1,5 +1,5 @@
-# Shell helpers shared by the project's scripts: install what is missing, and run a private
-# Tansu broker on a free loopback port. Source it; it defines functions only.
+# Shell helpers shared by the project's scripts: install what is missing. Source it; it defines
+# functions only.
 
 # Prints a progress line on stderr.
 say() {
@@ -192,72 +192,3 @@ ensure_tansu_libsql() {
     cargo install tansu --version 0.6.0 --features libsql --locked --root "$HOME/.cargo/tansu-libsql"
 }
 
-# True when nothing accepts connections on 127.0.0.1:$1.
-port_is_free() {
-    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-# A free loopback port in 20000..44999.
-pick_port() {
-    local port tries=0
-    while [ "$tries" -lt 200 ]; do
-        port=$((20000 + RANDOM % 25000))
-        if port_is_free "$port"; then
-            echo "$port"
-            return
-        fi
-        tries=$((tries + 1))
-    done
-    say "no free port found in 20000..44999"
-    return 1
-}
-
-# Starts a Tansu broker with in-memory storage on a free port and waits until it accepts
-# connections. Sets TANSU_PID, TANSU_PORT and TANSU_LOG.
-start_tansu() {
-    local tansu attempt waited
-    tansu=$(tansu_path)
-    TANSU_LOG=$(mktemp "${TMPDIR:-/tmp}/tansu-broker.XXXXXX.log")
-    for attempt in 1 2 3; do
-        TANSU_PORT=$(pick_port)
-        RUST_LOG="${TALLY_TEST_TANSU_LOG:-warn,tansu_broker::coordinator=info}" "$tansu" broker \
-            --listener-url "tcp://127.0.0.1:$TANSU_PORT" \
-            --advertised-listener-url "tcp://127.0.0.1:$TANSU_PORT" \
-            --storage-engine memory://tansu/ \
-            </dev/null >>"$TANSU_LOG" 2>&1 &
-        TANSU_PID=$!
-        waited=0
-        while [ "$waited" -lt 600 ]; do
-            if ! kill -0 "$TANSU_PID" 2>/dev/null; then
-                break
-            fi
-            if ! port_is_free "$TANSU_PORT"; then
-                say "Tansu broker (pid $TANSU_PID) listening on 127.0.0.1:$TANSU_PORT, log $TANSU_LOG"
-                return 0
-            fi
-            sleep 0.1
-            waited=$((waited + 1))
-        done
-        say "Tansu broker did not start on port $TANSU_PORT (attempt $attempt):"
-        tail -n 20 "$TANSU_LOG" >&2 || true
-        kill -9 "$TANSU_PID" 2>/dev/null || true
-        wait "$TANSU_PID" 2>/dev/null || true
-        TANSU_PID=
-    done
-    return 1
-}
-
-# Stops the broker started by start_tansu, if any.
-stop_tansu() {
-    if [ -n "${TANSU_PID:-}" ]; then
-        kill "$TANSU_PID" 2>/dev/null || true
-        local i=0
-        while kill -0 "$TANSU_PID" 2>/dev/null && [ "$i" -lt 50 ]; do
-            sleep 0.1
-            i=$((i + 1))
-        done
-        kill -9 "$TANSU_PID" 2>/dev/null || true
-        wait "$TANSU_PID" 2>/dev/null || true
-        TANSU_PID=
-    fi
-}

@@ -253,10 +253,7 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
         &run.topic,
         second.messages(0..second.events.len()),
     );
-    let moved = Scenario {
-        brokers: new.addr().to_string(),
-        ..run
-    };
+    let moved = run.moved_to(new.addr());
     let args = moved.tally_args(&redis.url());
     let before = snapshot(&mut conn, &moved.prefix);
     let line = error_line(&run_refused(&args));

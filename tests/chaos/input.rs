@@ -83,10 +83,7 @@ pub fn broker_empty(s: &Settings, row: &mut Row, _: &mut Leaks) {
 
     let new = Broker::start_private();
     create_topic_on(new.addr(), &run.topic, PARTITIONS);
-    let moved = Scenario {
-        brokers: new.addr().to_string(),
-        ..run
-    };
+    let moved = run.moved_to(new.addr());
     let args = moved.tally_args(&redis.url());
     let mut second = Workload::new(moved.seed ^ 0xe3e3, PARTITIONS);
     let wave = second.grow(s.first_wave / 10);

@@ -50,7 +50,20 @@ fn require_tansu() -> PathBuf {
 pub struct Broker {
     addr: String,
     proc: Guarded,
+    log: PathBuf,
     _logs: TempDir,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!(
+                "[harness] broker {} log tail:\n{}",
+                self.addr,
+                self.log_tail(20)
+            );
+        }
+    }
 }
 
 /// How a private broker starts, beyond the defaults of [`Broker::start_private`].
@@ -69,7 +82,7 @@ pub struct BrokerOptions {
 
 impl Broker {
     /// A private Tansu broker on a free loopback port, for a test that stops or signals it
-    /// (a shared broker must never be paused under other tests).
+    /// (the process's broker must never be paused under other tests).
     pub fn start_private() -> Broker {
         start_private_broker(&BrokerOptions::default())
     }
@@ -89,6 +102,11 @@ impl Broker {
         self.proc.pid()
     }
 
+    /// The last `lines` lines of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        file_tail(&self.log, lines)
+    }
+
     /// Freezes the broker (SIGSTOP): connections stay open and nothing answers.
     pub fn sigstop(&self) {
         signal(self.pid(), "STOP");
@@ -102,19 +120,33 @@ impl Broker {
     }
 }
 
-/// Bootstrap servers for the tests: `TALLY_TEST_BROKERS`, or a private Tansu broker started once
-/// for this test process.
+/// Bootstrap servers for the tests: `TALLY_TEST_BROKERS` (another broker, e.g. an Apache Kafka
+/// cluster), or a private Tansu broker started once for this test process.
+///
+/// `scripts/test` leaves `TALLY_TEST_BROKERS` unset, so every test binary gets a new broker.
+/// Tansu's memory storage keeps the sequence numbers of every idempotent producer it has ever
+/// seen in one document and rewrites all of it on each idempotent produce: a broker shared by the
+/// whole suite slows down with every producer the earlier binaries created (docs/testing.md).
 pub fn brokers() -> String {
     if let Ok(b) = std::env::var("TALLY_TEST_BROKERS")
         && !b.trim().is_empty()
     {
         return b;
     }
-    static BROKER: OnceLock<Broker> = OnceLock::new();
-    BROKER
+    PROCESS_BROKER
         .get_or_init(|| start_private_broker(&BrokerOptions::default()))
         .addr
         .clone()
+}
+
+static PROCESS_BROKER: OnceLock<Broker> = OnceLock::new();
+
+/// The last `lines` lines of the log of this process's broker, when `brokers` is that broker.
+pub fn process_broker_log_tail(brokers: &str, lines: usize) -> Option<String> {
+    PROCESS_BROKER
+        .get()
+        .filter(|b| b.addr == brokers)
+        .map(|b| b.log_tail(lines))
 }
 
 fn start_private_broker(options: &BrokerOptions) -> Broker {
@@ -154,10 +186,14 @@ fn start_private_broker(options: &BrokerOptions) -> Broker {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if port_open(port) {
-                eprintln!("[harness] private Tansu broker on 127.0.0.1:{port}");
+                eprintln!(
+                    "[harness] private Tansu broker on 127.0.0.1:{port}, log {}",
+                    log_path.display()
+                );
                 return Broker {
                     addr: format!("127.0.0.1:{port}"),
                     proc,
+                    log: log_path,
                     _logs: logs,
                 };
             }

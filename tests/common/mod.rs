@@ -2,8 +2,9 @@
 //! and a wrapper around the `tally` binary.
 //!
 //! # Services
-//! - Kafka: `brokers()` returns `TALLY_TEST_BROKERS` when `scripts/test` started a shared Tansu
-//!   broker, and otherwise starts one private Tansu broker per test process.
+//! - Kafka: `brokers()` starts one private Tansu broker per test process (or returns
+//!   `TALLY_TEST_BROKERS`, to run against another broker); tests that stop or signal a broker
+//!   start one of their own (`Broker::start_private`).
 //! - Redis: every test starts its own `redis-server` on a free loopback port (`RedisServer`).
 //!
 //! Every child process is paired with a small watchdog shell that holds a pipe from this process

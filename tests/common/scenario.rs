@@ -1,5 +1,5 @@
 //! One end-to-end run's names and plumbing: a seed, fresh topic, group and key
-//! prefix on the shared broker, producer threads that keep events arriving
+//! prefix on the test process's broker, producer threads that keep events arriving
 //! while faults are injected, and the final wait-and-compare against the
 //! workload's own ground truth.
 
@@ -27,6 +27,17 @@ pub struct Scenario {
     pub prefix: String,
 }
 
+/// A failing test shows the end of the broker's log, when the broker is this process's own.
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        if thread::panicking()
+            && let Some(tail) = process_broker_log_tail(&self.brokers, 20)
+        {
+            eprintln!("[harness] broker {} log tail:\n{tail}", self.brokers);
+        }
+    }
+}
+
 impl Scenario {
     /// Seed for `test`, fresh `likes-<short>` topic with `partitions`, `tally-<short>` group and
     /// `<short>` key prefix.
@@ -46,6 +57,17 @@ impl Scenario {
             topic,
             group: unique(&format!("tally-{short}")),
             prefix: unique(short),
+        }
+    }
+
+    /// The same seed, topic, group and prefix on another broker.
+    pub fn moved_to(&self, brokers: &str) -> Scenario {
+        Scenario {
+            seed: self.seed,
+            brokers: brokers.to_string(),
+            topic: self.topic.clone(),
+            group: self.group.clone(),
+            prefix: self.prefix.clone(),
         }
     }
 
