@@ -152,7 +152,107 @@ ensure_buf() {
     say "installed buf $(buf --version)"
 }
 
-# Path of the tansu binary, or nothing.
+# The Apache Kafka version scripts/kafka/pom.xml pins, and the directory its jars go to.
+kafka_version() {
+    sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$(dirname "${BASH_SOURCE[0]}")/kafka/pom.xml"
+}
+kafka_home() {
+    echo "${TALLY_KAFKA_HOME:-$HOME/.cache/tally/kafka-$(kafka_version)}"
+}
+
+# Fetches the Apache Kafka broker (org.apache.kafka:kafka_2.13, kafka-tools and their runtime
+# dependencies) from Maven Central into kafka_home()/lib with the POM in scripts/kafka; does
+# nothing when the jars are there. Installs a JDK and Maven from Debian first when missing.
+ensure_kafka() {
+    local home lib
+    home=$(kafka_home)
+    lib="$home/lib"
+    if ls "$lib"/kafka_2.13-*.jar >/dev/null 2>&1; then
+        return
+    fi
+    local missing=()
+    command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jdk-headless)
+    command -v mvn >/dev/null 2>&1 || missing+=(maven)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        say "the Kafka broker needs ${missing[*]}: installing with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    say "fetching Apache Kafka $(kafka_version) from Maven Central into $lib"
+    local started=$SECONDS
+    rm -rf "$lib.partial"
+    mvn -q -B -f "$(dirname "${BASH_SOURCE[0]}")/kafka/pom.xml" dependency:copy-dependencies \
+        -DoutputDirectory="$lib.partial" -DincludeScope=runtime
+    mv "$lib.partial" "$lib"
+    say "Apache Kafka $(kafka_version): $(find "$lib" -name '*.jar' | wc -l) jars in $((SECONDS - started)) s"
+}
+
+# A loopback port that nothing listens on, in 20000..45000 (the tests draw from the same range
+# and skip busy ports).
+free_loopback_port() {
+    local port
+    while :; do
+        port=$((20000 + RANDOM % 25000))
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            echo "$port"
+            return
+        fi
+    done
+}
+
+# Starts Kafka nodes in the background, one per directory name in $2.., all voters of one
+# cluster; waits until each logs "Kafka Server started" (2 min at most). Sets KAFKA_BOOTSTRAP to
+# their client addresses, comma-separated, and appends their pids to KAFKA_PIDS.
+#   start_kafka BASE_DIR NAME...
+KAFKA_PIDS=()
+start_kafka() {
+    local base=$1
+    shift
+    local names=("$@") ports=() cports=() voters='' i cluster
+    for i in "${!names[@]}"; do
+        ports+=("$(free_loopback_port)")
+        cports+=("$(free_loopback_port)")
+        voters+="${voters:+,}$((i + 1))@127.0.0.1:${cports[$i]}"
+    done
+    cluster=$("$(dirname "${BASH_SOURCE[0]}")/kafka/broker" --new-cluster-id)
+    KAFKA_BOOTSTRAP=''
+    for i in "${!names[@]}"; do
+        local dir="$base/${names[$i]}"
+        mkdir -p "$dir"
+        "$(dirname "${BASH_SOURCE[0]}")/kafka/broker" --dir "$dir" --port "${ports[$i]}" \
+            --controller-port "${cports[$i]}" --node-id "$((i + 1))" --voters "$voters" \
+            --cluster-id "$cluster" >"$dir/stdout.log" 2>&1 &
+        KAFKA_PIDS+=("$!")
+        KAFKA_BOOTSTRAP+="${KAFKA_BOOTSTRAP:+,}127.0.0.1:${ports[$i]}"
+    done
+    for i in "${!names[@]}"; do
+        local dir="$base/${names[$i]}" waited=0
+        until grep -q 'Kafka Server started' "$dir/broker.log" 2>/dev/null; do
+            if [ "$waited" -ge 1200 ]; then
+                say "Kafka node ${names[$i]} did not start within 120 s:"
+                tail -n 30 "$dir/stdout.log" "$dir/broker.log" >&2 || true
+                return 1
+            fi
+            sleep 0.1
+            waited=$((waited + 1))
+        done
+    done
+    say "Apache Kafka $(kafka_version) on $KAFKA_BOOTSTRAP (logs in $base)"
+}
+
+# Stops every node start_kafka started.
+stop_kafka() {
+    local pid
+    for pid in "${KAFKA_PIDS[@]+"${KAFKA_PIDS[@]}"}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${KAFKA_PIDS[@]+"${KAFKA_PIDS[@]}"}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    KAFKA_PIDS=()
+}
+
+# Path of the tansu binary, or nothing (Tansu is an optional second broker: docs/testing.md).
 tansu_path() {
     if [ -x "$HOME/.cargo/bin/tansu" ]; then
         echo "$HOME/.cargo/bin/tansu"
@@ -161,34 +261,13 @@ tansu_path() {
     fi
 }
 
-# Installs the Tansu broker (a Kafka-compatible broker written in Rust) with cargo when missing.
+# Installs the Tansu broker with cargo when missing; only runs of the suite on Tansu
+# (TALLY_TEST_BROKER=tansu) need it.
 ensure_tansu() {
     if [ -n "$(tansu_path)" ]; then
         return
     fi
-    # One build serves both: memory storage for the tests, SQLite storage for the SCRAM logins of
-    # tests/e2e_kafka_security.rs (see ensure_tansu_libsql).
-    say "tansu not found: cargo install tansu --version 0.6.0 --features dynostore,libsql --locked"
+    say "tansu not found: cargo install tansu --version 0.6.0 --features dynostore --locked"
     say "(about 25-35 minutes on a 2-core machine the first time)"
-    cargo install tansu --version 0.6.0 --features dynostore,libsql --locked
+    cargo install tansu --version 0.6.0 --features dynostore --locked
 }
-
-# A Tansu with SQLite storage (the `libsql` feature) at ~/.cargo/tansu-libsql/bin/tansu: the
-# memory storage keeps no SCRAM credentials, so a SCRAM login can only succeed against this one
-# (tests/e2e_kafka_security.rs). ensure_tansu builds the feature in, and this links to that
-# build; only a Tansu installed without it (an older ensure_tansu) needs a second build.
-ensure_tansu_libsql() {
-    local linked="$HOME/.cargo/tansu-libsql/bin/tansu"
-    if [ -x "$linked" ]; then
-        return
-    fi
-    local crates="$HOME/.cargo/.crates2.json"
-    if [ -f "$crates" ] && grep -o '"tansu 0.6.0[^}]*}' "$crates" | grep -q '"libsql"'; then
-        mkdir -p "$(dirname "$linked")"
-        ln -sf "$(tansu_path)" "$linked"
-        return
-    fi
-    say "tansu with SQLite storage not found: cargo install tansu --version 0.6.0 --features libsql --locked --root ~/.cargo/tansu-libsql"
-    cargo install tansu --version 0.6.0 --features libsql --locked --root "$HOME/.cargo/tansu-libsql"
-}
-

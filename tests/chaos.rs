@@ -8,7 +8,7 @@
 //! 4. `redis-restart`: redis-server SIGKILLed and restarted from its AOF (everysec), some
 //!    restarts with the AOF's tail cut off;
 //! 5. `cluster`: Redis Cluster slot migration, SCRIPT FLUSH and a primary failover under load;
-//! 6. `broker-stop`: the broker SIGSTOPped for 30 s (a private Tansu), then SIGCONTed;
+//! 6. `broker-stop`: the broker SIGSTOPped for 30 s (a private node), then SIGCONTed;
 //! 7. `script-flush`: SCRIPT FLUSH again and again mid-run;
 //! 8. `hostile`: malformed and edge-case messages mixed into real traffic;
 //! 9. `broker-empty`: the broker comes back empty while Redis keeps its fences: refused, then
@@ -178,16 +178,14 @@ fn chaos() {
 /// Shared steps of the scenarios.
 mod steps {
     use std::collections::HashMap;
-    use std::panic::{AssertUnwindSafe, catch_unwind};
     use std::time::Duration;
 
     use crate::common::*;
     use crate::report::Row;
 
-    /// How long after a SIGKILL a consumer may rejoin: past the session timeout (6 s in
-    /// `tally_args`) so the broker has expired the dead member first (Tansu 0.6 does not hand an
-    /// expired member's partitions to members that joined before it expired).
-    pub const PAST_SESSION_TIMEOUT: Duration = Duration::from_secs(8);
+    /// How long a frozen consumer must sleep before the broker expires it: the session timeout
+    /// (6 s in `tally_args`), plus a heartbeat and a margin.
+    pub const SESSION_EXPIRY: Duration = Duration::from_secs(8);
 
     /// `tally run` arguments plus a metrics address and `extra`.
     pub fn args_with(base: &[String], metrics: Option<&str>, extra: &[&str]) -> Vec<String> {
@@ -199,23 +197,9 @@ mod steps {
         args
     }
 
-    /// A scenario on a Tansu broker of its own. Tansu 0.6's memory storage gets slower as it
-    /// holds more: in a long run on one shared broker it had grown to 600 MB and more than a core
-    /// by the fifth scenario, and producers timed out. The broker stops when dropped.
-    pub fn fresh_scenario(test: &str, short: &str) -> (Broker, Scenario) {
-        let broker = Broker::start_private();
-        let run = Scenario::on(broker.addr(), test, short, crate::PARTITIONS);
-        (broker, run)
-    }
-
-    /// `args` with librdkafka's session timeout set to `ms` in place of the tests' 6 s.
-    pub fn with_session_timeout(args: Vec<String>, ms: u64) -> Vec<String> {
-        args.into_iter()
-            .map(|arg| match arg.strip_prefix("session.timeout.ms=") {
-                Some(_) => format!("session.timeout.ms={ms}"),
-                None => arg,
-            })
-            .collect()
+    /// A scenario with topics, group and prefix of its own on the shared broker.
+    pub fn scenario(test: &str, short: &str) -> Scenario {
+        Scenario::new(test, short, crate::PARTITIONS)
     }
 
     pub fn metrics_addr() -> String {
@@ -243,35 +227,17 @@ mod steps {
         tallies: &mut [&mut Tally],
     ) {
         let mut conn = redis.conn();
-        let mut nudged = false;
         row.settle(
             || {
-                let wait = |conn: &mut redis::Connection, tallies: &mut [&mut Tally], secs| {
-                    run.wait_applied(conn, hwms, Duration::from_secs(secs), || {
-                        for t in tallies.iter_mut() {
-                            t.assert_running();
-                        }
-                    })
-                };
-                let first = catch_unwind(AssertUnwindSafe(|| wait(&mut conn, tallies, 90)));
-                if first.is_err() {
-                    // Tansu 0.6 can leave a partition with no owner after members of a
-                    // cooperative group die (docs/testing.md): a member that joins again makes
-                    // the group rebalance. Reported in the row's faults.
-                    eprintln!(
-                        "[chaos] partitions still behind after 90 s; restarting one consumer so the group rebalances"
-                    );
-                    tallies[0].restart();
-                    nudged = true;
-                    wait(&mut conn, tallies, 120);
-                }
+                run.wait_applied(&mut conn, hwms, Duration::from_secs(180), || {
+                    for t in tallies.iter_mut() {
+                        t.assert_running();
+                    }
+                })
             },
             || read_counts(&mut redis.conn(), &run.prefix),
             truth,
         );
-        if nudged {
-            row.faults.push_str(", +1 restart after 90 s behind");
-        }
     }
 
     /// SIGTERM every consumer; each must exit 0 within 30 s.

@@ -14,11 +14,7 @@ use std::time::Duration;
 
 #[test]
 fn ctrl_c_stops_the_demo_after_its_final_check() {
-    assert!(
-        common::tansu_bin().is_some(),
-        "the tansu broker is not installed; run: {}",
-        common::TANSU_INSTALL
-    );
+    common::require_kafka();
     // The demo in a process group of its own, as a shell puts a foreground job.
     let mut demo = Command::new(common::tally_bin());
     demo.args([

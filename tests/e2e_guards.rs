@@ -11,8 +11,8 @@
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
 //!   `tally reset-fences --yes` counts the new log on top of the stored counts.
 //!
-//! Each test has a broker of its own: they stop consumers mid-batch, send a 1.5 MB message and
-//! query a group's offsets, and none of that may reach the broker other test binaries share.
+//! Each test has topics, a group and a key prefix of its own on the shared broker; the broker
+//! that comes back empty is a private one.
 
 mod common;
 
@@ -61,8 +61,7 @@ fn merged(a: &HashMap<u64, i64>, b: &HashMap<u64, i64>) -> HashMap<u64, i64> {
 
 #[test]
 fn a_key_incrby_refuses_stops_the_partition_without_writing() {
-    let broker = Broker::start_private();
-    let run = Scenario::on(broker.addr(), "e2e_guards_key", "badkey", 1);
+    let run = Scenario::new("e2e_guards_key", "badkey", 1);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let mut args = run.tally_args(&redis.url());
@@ -123,8 +122,7 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
 
 #[test]
 fn an_eviction_policy_that_may_drop_keys_is_refused() {
-    let broker = Broker::start_private();
-    let run = Scenario::on(broker.addr(), "e2e_guards_eviction", "evict", PARTITIONS);
+    let run = Scenario::new("e2e_guards_eviction", "evict", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let w = Workload::generate(run.seed, 2_000, PARTITIONS);
@@ -179,8 +177,7 @@ fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
 
 #[test]
 fn a_store_that_lost_everything_is_refused_until_the_loss_is_accepted() {
-    let broker = Broker::start_private();
-    let run = Scenario::on(broker.addr(), "e2e_guards_lost", "lost", PARTITIONS);
+    let run = Scenario::new("e2e_guards_lost", "lost", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
@@ -298,8 +295,14 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
 /// counted, and after a minute `/readyz` fails with the error. The other partitions go on.
 #[test]
 fn a_dead_letter_copy_that_keeps_failing_fails_readiness() {
-    let broker = Broker::start_private();
-    let run = Scenario::on(broker.addr(), "e2e_guards_dlq", "dlqfail", PARTITIONS);
+    // The topic takes the 1.5 MB message that tally's dead-letter producer may not send.
+    let run = Scenario::with_topic(
+        &brokers(),
+        "e2e_guards_dlq",
+        "dlqfail",
+        PARTITIONS,
+        &[("max.message.bytes", "8388608")],
+    );
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let dlq = format!("{}-dlq", run.topic);

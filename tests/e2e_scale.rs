@@ -84,7 +84,7 @@ fn scaling_one_to_three_to_one_keeps_counts_exact_and_kept_partitions_flowing() 
     let (mut second, _) = consumer("second");
     let (mut third, _) = consumer("third");
     let mut conn = redis.conn();
-    run.wait_settled(
+    wait_for(
         "three consumers sharing the partitions",
         Duration::from_secs(60),
         || {
@@ -99,7 +99,7 @@ fn scaling_one_to_three_to_one_keeps_counts_exact_and_kept_partitions_flowing() 
         let status = t.sigterm_and_wait(Duration::from_secs(30));
         assert!(status.success(), "exit {status}:\n{}", t.log_tail(20));
     }
-    run.wait_settled(
+    wait_for(
         "one consumer owning everything again",
         Duration::from_secs(60),
         || {

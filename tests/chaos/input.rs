@@ -17,14 +17,12 @@ use crate::report::{Leaks, Row};
 use crate::steps::*;
 use crate::{PARTITIONS, Settings};
 
-/// Scenario 6: a private Tansu broker (never the shared one) is SIGSTOPped for 30 s while the
+/// Scenario 6: a private broker (never the shared one) is SIGSTOPped for 30 s while the
 /// consumer and the producer are talking to it, then SIGCONTed.
 ///
-/// The consumer runs with librdkafka's default session timeout (45 s), longer than the freeze, as a
-/// deployment does: fetches, commits and heartbeats time out and are retried, the membership
-/// survives. `TALLY_CHAOS_BROKER_SESSION_MS` sets another one; with one shorter than the freeze
-/// Tansu 0.6 keeps the expired member as the group's leader and the group never forms again
-/// (docs/reliability.md, finding 2).
+/// The freeze is longer than the consumer's session timeout (6 s): when the broker wakes up it
+/// expires the member it has not heard from, and the consumer joins the group again, with
+/// fetches, commits and heartbeats timed out and retried in between.
 pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let broker = Broker::start_private();
     let run = Scenario::on(broker.addr(), "chaos_broker", "broker", PARTITIONS);
@@ -32,13 +30,7 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(s.first_wave);
     produce(&run.brokers, &run.topic, w.messages(first));
-    let session_ms = std::env::var("TALLY_CHAOS_BROKER_SESSION_MS")
-        .map(|v| {
-            v.parse::<u64>()
-                .expect("TALLY_CHAOS_BROKER_SESSION_MS: milliseconds")
-        })
-        .unwrap_or(45_000);
-    let args = with_session_timeout(run.tally_args(&redis.url()), session_ms);
+    let args = run.tally_args(&redis.url());
     let mut tally = Tally::spawn_args("consumer", &args);
     let producer = run.stream(w, s.chunk, s.pause);
     for stop in 1..=s.broker_stops {
@@ -48,9 +40,8 @@ pub fn broker_stop(s: &Settings, row: &mut Row, _: &mut Leaks) {
         thread::sleep(s.broker_stop_for);
         broker.sigcont();
         row.faults = format!(
-            "{stop} broker SIGSTOP {} s (session {} s)",
-            s.broker_stop_for.as_secs(),
-            session_ms / 1000
+            "{stop} broker SIGSTOP {} s (session 6 s)",
+            s.broker_stop_for.as_secs()
         );
         thread::sleep(Duration::from_secs(4));
     }
@@ -116,7 +107,7 @@ pub fn broker_empty(s: &Settings, row: &mut Row, _: &mut Leaks) {
 /// (counted: nothing waits for them) and a thousand years ahead (dead-lettered as
 /// `timestamp_out_of_range`, so not in the truth), with consumers SIGKILLed in between.
 pub fn wrong_clocks(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (_broker, run) = fresh_scenario("chaos_clocks", "clocks");
+    let run = scenario("chaos_clocks", "clocks");
     let redis = RedisServer::start();
     let args = run.tally_args(&redis.url());
     let mut tallies = [
@@ -321,7 +312,7 @@ fn random_key(rng: &mut StdRng) -> Option<Vec<u8>> {
 /// into a stream of real events. Good events are counted exactly; every bad one is counted in
 /// `tally_bad_messages_total` and found in the dead-letter topic.
 pub fn hostile(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (_broker, run) = fresh_scenario("chaos_hostile", "hostile");
+    let run = scenario("chaos_hostile", "hostile");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xbad);
     let dlt = unique("likes-hostile-dlq");
     create_topic_on(&run.brokers, &dlt, 4);

@@ -17,7 +17,7 @@ use crate::{PARTITIONS, Settings};
 /// other restart first cuts the AOF's tail, as a machine that went down before its last second
 /// reached the disk would.
 pub fn redis_restarts(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (_broker, run) = fresh_scenario("chaos_redis", "redis");
+    let run = scenario("chaos_redis", "redis");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xa0f);
     let mut redis = RedisServer::start_with_aof();
     let mut w = Workload::new(run.seed, PARTITIONS);
@@ -54,7 +54,7 @@ pub fn redis_restarts(s: &Settings, row: &mut Row, _: &mut Leaks) {
 
 /// Scenario 7: SCRIPT FLUSH on the server every 0.3–1.5 s while batches are applied.
 pub fn script_flush(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let (_broker, run) = fresh_scenario("chaos_flush", "flush");
+    let run = scenario("chaos_flush", "flush");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xf105);
     let redis = RedisServer::start();
     let mut w = Workload::new(run.seed, PARTITIONS);
@@ -92,7 +92,7 @@ const GROUPS: usize = 16;
 /// over) and comes back as a replica.
 pub fn cluster(s: &Settings, row: &mut Row, _: &mut Leaks) {
     let mut cluster = RedisCluster::start(3, 1);
-    let (_broker, run) = fresh_scenario("chaos_cluster", "cluster");
+    let run = scenario("chaos_cluster", "cluster");
     let mut rng = StdRng::seed_from_u64(run.seed ^ 0xc105);
     let mut w = Workload::new(run.seed, PARTITIONS);
     let first = w.grow(s.first_wave);

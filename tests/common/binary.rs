@@ -20,6 +20,8 @@ pub struct Tally {
     status: Option<ExitStatus>,
     log: PathBuf,
     dir: Option<TempDir>,
+    /// When SIGTERM was sent.
+    terminated: Option<Instant>,
 }
 
 /// The arguments every test passes to `tally run`: addresses, names, and quick rebalances.
@@ -181,6 +183,7 @@ impl Tally {
             status: None,
             log,
             dir: Some(dir),
+            terminated: None,
         }
     }
 
@@ -251,6 +254,12 @@ impl Tally {
 
     /// SIGTERM, then wait up to `timeout` for the exit; panics with the log tail on timeout.
     pub fn sigterm_and_wait(&mut self, timeout: Duration) -> ExitStatus {
+        self.sigterm();
+        self.wait_exit(timeout)
+    }
+
+    /// SIGTERM without waiting; panics when it had exited already.
+    pub fn sigterm(&mut self) {
         if let Some(status) = self.try_status() {
             panic!(
                 "{} had already exited ({status}) before SIGTERM; log tail:\n{}",
@@ -258,8 +267,14 @@ impl Tally {
                 self.log_tail(40)
             );
         }
-        let start = Instant::now();
+        self.terminated = Some(Instant::now());
         signal(self.pid(), "TERM");
+    }
+
+    /// Waits up to `timeout` for the exit that a [`Tally::sigterm`] asked for; panics with the
+    /// log tail on timeout.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let start = self.terminated.unwrap_or_else(Instant::now);
         loop {
             if let Some(status) = self.try_status() {
                 eprintln!(

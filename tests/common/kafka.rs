@@ -1,6 +1,7 @@
-//! Kafka side: the Tansu broker, topics, an idempotent producer, and readers.
+//! Kafka brokers: Apache Kafka nodes started through `scripts/kafka/broker` (the script every
+//! broker of the project starts from), single or as a 3-node KRaft cluster, and Tansu 0.6 as an
+//! optional second broker (`TALLY_TEST_BROKER=tansu`).
 
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -8,21 +9,85 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
-use rdkafka::ClientConfig;
-use rdkafka::Message;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::OwnedMessage;
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tempfile::TempDir;
 
 use super::process::{Guarded, file_tail, log_dir, signal};
-use super::{free_port, port_open, unique, wait_for};
+use super::{free_port, port_open};
+
+/// How the suite gets Apache Kafka's jars when they are missing.
+pub const KAFKA_INSTALL: &str = "(source scripts/lib.sh && ensure_kafka)";
 
 pub const TANSU_INSTALL: &str = "cargo install tansu --version 0.6.0 --features dynostore --locked";
+
+/// The script that starts one Apache Kafka node.
+pub fn broker_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kafka/broker")
+}
+
+/// The directory holding Apache Kafka's `lib/`: `TALLY_KAFKA_HOME`, else the cache
+/// `ensure_kafka` fills for the version scripts/kafka/pom.xml pins.
+pub fn kafka_home() -> PathBuf {
+    if let Some(home) = std::env::var_os("TALLY_KAFKA_HOME") {
+        return PathBuf::from(home);
+    }
+    let pom = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kafka/pom.xml"),
+    )
+    .expect("read scripts/kafka/pom.xml");
+    let version = pom
+        .split("<kafka.version>")
+        .nth(1)
+        .and_then(|s| s.split('<').next())
+        .expect("kafka.version in scripts/kafka/pom.xml");
+    let home = std::env::var_os("HOME").expect("HOME");
+    Path::new(&home).join(format!(".cache/tally/kafka-{version}"))
+}
+
+/// The Kafka home directory; panics with the command that fetches the jars when they are missing.
+pub fn require_kafka() -> PathBuf {
+    let home = kafka_home();
+    let lib = home.join("lib");
+    let present = std::fs::read_dir(&lib)
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("kafka_2.13-"))
+        })
+        .unwrap_or(false);
+    assert!(
+        present,
+        "Apache Kafka's jars are not in {}; fetch them with: {KAFKA_INSTALL}",
+        lib.display()
+    );
+    home
+}
+
+/// Runs one of Apache Kafka's command-line tools (`org.apache.kafka.tools.AclCommand`,
+/// `...MetadataQuorumCommand`, ...) with `args`; returns its standard output, panicking with
+/// both outputs when it fails.
+pub fn kafka_tool(class: &str, args: &[&str]) -> String {
+    let lib = require_kafka().join("lib/*");
+    let out = Command::new("java")
+        .args(["-Xmx256m", "-XX:TieredStopAtLevel=1", "-cp"])
+        .arg(lib)
+        .arg(class)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run java");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{class} {args:?} failed ({}):\n{stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// True when the suite runs on Tansu (`TALLY_TEST_BROKER=tansu`) instead of Apache Kafka.
+pub fn on_tansu() -> bool {
+    std::env::var("TALLY_TEST_BROKER").is_ok_and(|b| b == "tansu")
+}
 
 /// Path of the `tansu` binary: `~/.cargo/bin/tansu`, else the first one on PATH.
 pub fn tansu_bin() -> Option<PathBuf> {
@@ -38,20 +103,69 @@ pub fn tansu_bin() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn require_tansu() -> PathBuf {
-    tansu_bin().unwrap_or_else(|| {
-        panic!(
-            "the tansu broker is not installed (not in ~/.cargo/bin or PATH); run: {TANSU_INSTALL}"
-        )
-    })
+/// One node of a broker this test process started.
+struct Node {
+    id: u32,
+    port: u16,
+    controller_port: u16,
+    dir: PathBuf,
+    proc: Option<Guarded>,
+    /// The script's arguments, for a restart on the same storage.
+    args: Vec<String>,
 }
 
-/// A Tansu broker this test process started; killed on drop.
+impl Node {
+    fn log(&self) -> PathBuf {
+        self.dir.join("broker.log")
+    }
+
+    fn start(&mut self) {
+        let stdout = File::create(self.dir.join("stdout.log")).expect("create node stdout");
+        let mut cmd = Command::new(broker_script());
+        cmd.args(&self.args)
+            .env("TALLY_KAFKA_HOME", kafka_home())
+            .stdout(stdout.try_clone().unwrap())
+            .stderr(stdout);
+        // A restart appends to the log: "started" must be counted past what is there.
+        let before = std::fs::read_to_string(self.log())
+            .map(|l| l.matches("Kafka Server started").count())
+            .unwrap_or(0);
+        self.proc = Some(Guarded::spawn(&mut cmd).expect("spawn scripts/kafka/broker"));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let started = std::fs::read_to_string(self.log())
+                .map(|l| l.matches("Kafka Server started").count())
+                .unwrap_or(0);
+            if started > before {
+                return;
+            }
+            let proc = self.proc.as_mut().unwrap();
+            if let Ok(Some(status)) = proc.child.try_wait() {
+                proc.release_watchdog();
+                panic!(
+                    "Kafka node {} exited ({status}) before it started:\n{}\n{}",
+                    self.id,
+                    file_tail(&self.dir.join("stdout.log"), 20),
+                    file_tail(&self.log(), 20)
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Kafka node {} did not start within 120 s:\n{}",
+                self.id,
+                file_tail(&self.log(), 30)
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// A broker this test process started, one node or a KRaft cluster; stopped on drop.
 pub struct Broker {
     addr: String,
-    proc: Guarded,
-    log: PathBuf,
-    _logs: TempDir,
+    nodes: Vec<Node>,
+    tansu: Option<(Guarded, PathBuf)>,
+    _dir: TempDir,
 }
 
 impl Drop for Broker {
@@ -66,75 +180,262 @@ impl Drop for Broker {
     }
 }
 
-/// How a private broker starts, beyond the defaults of [`Broker::start_private`].
+/// How a private broker starts, beyond the defaults of scripts/kafka/broker.
 #[derive(Debug, Clone, Default)]
 pub struct BrokerOptions {
-    /// `--authentication`: every client must log in with SASL first.
-    pub authentication: bool,
-    /// The port the broker tells clients to connect to (a TLS terminator in front of it),
-    /// instead of its own.
-    pub advertised_port: Option<u16>,
-    /// `--storage-engine`; `memory://tansu/` when unset.
-    pub storage_engine: Option<String>,
-    /// Another tansu binary (one built with more storage engines).
-    pub binary: Option<PathBuf>,
+    /// Broker settings added after the script's own (later lines win): listeners, SASL,
+    /// authorizer, retention.
+    pub settings: Vec<String>,
+    /// Arguments for the storage format (`--add-scram ...`).
+    pub format_args: Vec<String>,
+    /// Extra JVM arguments (`-Djava.security.auth.login.config=...`).
+    pub jvm_args: Vec<String>,
+    /// The client port; a free one when unset. Known before the start, so `settings` can name
+    /// it in listeners.
+    pub port: Option<u16>,
 }
 
 impl Broker {
-    /// A private Tansu broker on a free loopback port, for a test that stops or signals it
-    /// (the process's broker must never be paused under other tests).
+    /// A private single-node broker on free loopback ports, for a test that stops, signals,
+    /// empties or reconfigures it (the shared broker must never be paused under other tests).
     pub fn start_private() -> Broker {
-        start_private_broker(&BrokerOptions::default())
+        if on_tansu() {
+            return start_tansu();
+        }
+        Self::start_nodes(1, &BrokerOptions::default())
     }
 
-    /// A private broker started with `options`.
+    /// A private single node started with `options`.
     pub fn start_with(options: &BrokerOptions) -> Broker {
-        start_private_broker(options)
+        Self::start_nodes(1, options)
     }
 
-    /// Its bootstrap address, `127.0.0.1:PORT`.
+    /// A private KRaft cluster of `nodes` combined broker-controllers; with 3 or more, topics
+    /// and internal topics are replicated 3 times with `min.insync.replicas` 2.
+    pub fn start_cluster(nodes: u32) -> Broker {
+        Self::start_nodes(nodes, &BrokerOptions::default())
+    }
+
+    fn start_nodes(count: u32, options: &BrokerOptions) -> Broker {
+        require_kafka();
+        let dir = log_dir("kafka-");
+        let cluster_id = String::from_utf8(
+            Command::new(broker_script())
+                .arg("--new-cluster-id")
+                .output()
+                .expect("run scripts/kafka/broker --new-cluster-id")
+                .stdout,
+        )
+        .unwrap()
+        .trim()
+        .to_string();
+        let ports: Vec<(u16, u16)> = (0..count)
+            .map(|i| {
+                let port = match (i, options.port) {
+                    (0, Some(p)) => p,
+                    _ => free_port(),
+                };
+                (port, free_port())
+            })
+            .collect();
+        let voters = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, c))| format!("{}@127.0.0.1:{c}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut nodes: Vec<Node> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(port, controller_port))| {
+                let id = i as u32 + 1;
+                let node_dir = dir.path().join(format!("node{id}"));
+                std::fs::create_dir_all(&node_dir).unwrap();
+                let mut args: Vec<String> = vec![
+                    "--dir".into(),
+                    node_dir.display().to_string(),
+                    "--port".into(),
+                    port.to_string(),
+                    "--controller-port".into(),
+                    controller_port.to_string(),
+                    "--node-id".into(),
+                    id.to_string(),
+                    "--voters".into(),
+                    voters.clone(),
+                    "--cluster-id".into(),
+                    cluster_id.clone(),
+                ];
+                for s in &options.settings {
+                    args.extend(["--set".into(), s.clone()]);
+                }
+                for a in &options.format_args {
+                    args.extend(["--format-arg".into(), a.clone()]);
+                }
+                for a in &options.jvm_args {
+                    args.extend(["--jvm-arg".into(), a.clone()]);
+                }
+                Node {
+                    id,
+                    port,
+                    controller_port,
+                    dir: node_dir,
+                    proc: None,
+                    args,
+                }
+            })
+            .collect();
+        // A quorum of more than one voter forms only once most of them run: start them all,
+        // then wait for each.
+        thread::scope(|s| {
+            for node in nodes.iter_mut() {
+                s.spawn(move || node.start());
+            }
+        });
+        let addr = ports
+            .iter()
+            .map(|(p, _)| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        eprintln!(
+            "[harness] private Apache Kafka ({count} node(s)) on {addr}, logs in {}",
+            dir.path().display()
+        );
+        Broker {
+            addr,
+            nodes,
+            tansu: None,
+            _dir: dir,
+        }
+    }
+
+    /// Its bootstrap addresses, `127.0.0.1:PORT[,...]`.
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
-    /// Its process id.
+    /// The client address of node `id` (1-based).
+    pub fn node_addr(&self, id: u32) -> String {
+        format!("127.0.0.1:{}", self.node(id).port)
+    }
+
+    /// The controller port of node `id`.
+    pub fn controller_port(&self, id: u32) -> u16 {
+        self.node(id).controller_port
+    }
+
+    fn node(&self, id: u32) -> &Node {
+        self.nodes
+            .iter()
+            .find(|n| n.id == id)
+            .unwrap_or_else(|| panic!("no node {id}"))
+    }
+
+    fn node_mut(&mut self, id: u32) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.id == id)
+            .unwrap_or_else(|| panic!("no node {id}"))
+    }
+
+    /// The process id of the first node (of the Tansu broker, on Tansu).
     pub fn pid(&self) -> u32 {
-        self.proc.pid()
+        if let Some((proc, _)) = &self.tansu {
+            return proc.pid();
+        }
+        self.node_pid(1)
     }
 
-    /// The last `lines` lines of its log.
+    /// The process id of node `id`.
+    pub fn node_pid(&self, id: u32) -> u32 {
+        self.node(id).proc.as_ref().expect("node running").pid()
+    }
+
+    /// SIGKILLs node `id`.
+    pub fn kill_node(&mut self, id: u32) {
+        if let Some(mut proc) = self.node_mut(id).proc.take() {
+            proc.kill();
+        }
+        eprintln!("[harness] Kafka node {id} killed (SIGKILL)");
+    }
+
+    /// Starts node `id` again on its storage and ports, after [`Broker::kill_node`].
+    pub fn restart_node(&mut self, id: u32) {
+        self.node_mut(id).start();
+        eprintln!("[harness] Kafka node {id} started again");
+    }
+
+    /// The node that leads the KRaft quorum, the active controller.
+    pub fn active_controller(&self) -> u32 {
+        let running = self
+            .nodes
+            .iter()
+            .find(|n| n.proc.is_some())
+            .expect("a running node");
+        let out = kafka_tool(
+            "org.apache.kafka.tools.MetadataQuorumCommand",
+            &[
+                "--bootstrap-server",
+                &format!("127.0.0.1:{}", running.port),
+                "describe",
+                "--status",
+            ],
+        );
+        out.lines()
+            .find_map(|l| l.trim().strip_prefix("LeaderId:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no LeaderId in:\n{out}"))
+    }
+
+    /// The last `lines` lines of its log (of every node, for a cluster).
     pub fn log_tail(&self, lines: usize) -> String {
-        file_tail(&self.log, lines)
+        if let Some((_, log)) = &self.tansu {
+            return file_tail(log, lines);
+        }
+        self.nodes
+            .iter()
+            .map(|n| format!("-- node {} --\n{}", n.id, file_tail(&n.log(), lines)))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
-    /// Freezes the broker (SIGSTOP): connections stay open and nothing answers.
+    fn pids(&self) -> Vec<u32> {
+        if let Some((proc, _)) = &self.tansu {
+            return vec![proc.pid()];
+        }
+        self.nodes
+            .iter()
+            .filter_map(|n| n.proc.as_ref().map(|p| p.pid()))
+            .collect()
+    }
+
+    /// Freezes the broker (SIGSTOP to every node): connections stay open and nothing answers.
     pub fn sigstop(&self) {
-        signal(self.pid(), "STOP");
+        for pid in self.pids() {
+            signal(pid, "STOP");
+        }
         eprintln!("[harness] broker {} stopped (SIGSTOP)", self.addr);
     }
 
     /// Wakes the broker (SIGCONT).
     pub fn sigcont(&self) {
-        signal(self.pid(), "CONT");
+        for pid in self.pids() {
+            signal(pid, "CONT");
+        }
         eprintln!("[harness] broker {} continued (SIGCONT)", self.addr);
     }
 }
 
-/// Bootstrap servers for the tests: `TALLY_TEST_BROKERS` (another broker, e.g. an Apache Kafka
-/// cluster), or a private Tansu broker started once for this test process.
-///
-/// `scripts/test` leaves `TALLY_TEST_BROKERS` unset, so every test binary gets a new broker.
-/// Tansu's memory storage keeps the sequence numbers of every idempotent producer it has ever
-/// seen in one document and rewrites all of it on each idempotent produce: a broker shared by the
-/// whole suite slows down with every producer the earlier binaries created (docs/testing.md).
+/// Bootstrap servers for the tests: `TALLY_TEST_BROKERS` (the broker scripts/test shares among
+/// all test binaries), else a private broker started once for this test process.
 pub fn brokers() -> String {
     if let Ok(b) = std::env::var("TALLY_TEST_BROKERS")
         && !b.trim().is_empty()
+        && !on_tansu()
     {
         return b;
     }
     PROCESS_BROKER
-        .get_or_init(|| start_private_broker(&BrokerOptions::default()))
+        .get_or_init(Broker::start_private)
         .addr
         .clone()
 }
@@ -149,416 +450,42 @@ pub fn process_broker_log_tail(brokers: &str, lines: usize) -> Option<String> {
         .map(|b| b.log_tail(lines))
 }
 
-fn start_private_broker(options: &BrokerOptions) -> Broker {
-    let tansu = options.binary.clone().unwrap_or_else(require_tansu);
-    let logs = log_dir("tansu-");
-    for attempt in 1..=3 {
-        let port = free_port();
-        let url = format!("tcp://127.0.0.1:{port}");
-        let advertised = format!(
-            "tcp://127.0.0.1:{}",
-            options.advertised_port.unwrap_or(port)
-        );
-        let log_path = logs.path().join(format!("tansu-{attempt}.log"));
-        let log = File::create(&log_path).expect("create tansu log");
-        let mut cmd = Command::new(&tansu);
-        cmd.arg("broker")
-            .arg("--listener-url")
-            .arg(&url)
-            .arg("--advertised-listener-url")
-            .arg(&advertised)
-            .arg("--storage-engine")
-            .arg(
-                options
-                    .storage_engine
-                    .as_deref()
-                    .unwrap_or("memory://tansu/"),
-            );
-        if options.authentication {
-            cmd.arg("--authentication");
-        }
-        let mut proc = Guarded::spawn(
-            cmd.env("RUST_LOG", tansu_log_filter())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log),
-        )
-        .expect("spawn tansu broker");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if port_open(port) {
-                eprintln!(
-                    "[harness] private Tansu broker on 127.0.0.1:{port}, log {}",
-                    log_path.display()
-                );
-                return Broker {
-                    addr: format!("127.0.0.1:{port}"),
-                    proc,
-                    log: log_path,
-                    _logs: logs,
-                };
-            }
-            if let Ok(Some(status)) = proc.child.try_wait() {
-                eprintln!(
-                    "[harness] tansu exited ({status}) on port {port}:\n{}",
-                    file_tail(&log_path, 20)
-                );
-                proc.release_watchdog();
-                break;
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "tansu did not accept connections on {port} within 30 s:\n{}",
-                    file_tail(&log_path, 20)
-                );
-            }
-            thread::sleep(Duration::from_millis(100));
-        }
-    }
-    panic!("could not start a Tansu broker");
-}
-
-/// Log filter for the Tansu broker: `TALLY_TEST_TANSU_LOG`, or warnings plus the group
-/// coordinator's membership changes.
-fn tansu_log_filter() -> String {
-    std::env::var("TALLY_TEST_TANSU_LOG")
-        .unwrap_or_else(|_| "warn,tansu_broker::coordinator=info".to_string())
-}
-
-fn base_consumer(brokers: &str, group: Option<&str>) -> BaseConsumer {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", brokers)
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .set("auto.offset.reset", "earliest");
-    if let Some(g) = group {
-        cfg.set("group.id", g);
-    }
-    cfg.create().expect("create consumer")
-}
-
-/// Creates `name` with `partitions` partitions and waits until metadata shows all of them.
-pub fn create_topic(name: &str, partitions: i32) {
-    create_topic_on(&brokers(), name, partitions);
-}
-
-/// `create_topic` on the given brokers.
-pub fn create_topic_on(brokers: &str, name: &str, partitions: i32) {
-    let brokers = brokers.to_string();
-    if let Some(tansu) = tansu_bin() {
-        let first = brokers.split(',').next().unwrap().trim();
-        let out = Command::new(tansu)
-            .args(["topic", "create", name, "--partitions"])
-            .arg(partitions.to_string())
-            .arg("--broker")
-            .arg(format!("tcp://{first}"))
-            .stdin(Stdio::null())
-            .output()
-            .expect("run tansu topic create");
+/// A private Tansu broker with memory storage.
+fn start_tansu() -> Broker {
+    let tansu = tansu_bin().unwrap_or_else(|| {
+        panic!("TALLY_TEST_BROKER=tansu, but tansu is not installed; run: {TANSU_INSTALL}")
+    });
+    let dir = log_dir("tansu-");
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let log_path = dir.path().join("tansu.log");
+    let log = File::create(&log_path).expect("create tansu log");
+    let filter = std::env::var("TALLY_TEST_TANSU_LOG")
+        .unwrap_or_else(|_| "warn,tansu_broker::coordinator=info".to_string());
+    let proc = Guarded::spawn(
+        Command::new(tansu)
+            .args(["broker", "--listener-url", &url])
+            .args(["--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env("RUST_LOG", filter)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log),
+    )
+    .expect("spawn tansu broker");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !port_open(port) {
         assert!(
-            out.status.success(),
-            "tansu topic create {name} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+            Instant::now() < deadline,
+            "tansu did not accept connections on {port} within 30 s:\n{}",
+            file_tail(&log_path, 20)
         );
-    } else {
-        create_topic_admin(&brokers, name, partitions);
+        thread::sleep(Duration::from_millis(100));
     }
-    wait_for_topic(&brokers, name, partitions);
-}
-
-fn create_topic_admin(brokers: &str, name: &str, partitions: i32) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("create admin client");
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let res = futures::executor::block_on(admin.create_topics(&[topic], &AdminOptions::new()))
-        .expect("create_topics");
-    for r in res {
-        r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+    eprintln!("[harness] private Tansu broker on 127.0.0.1:{port}");
+    Broker {
+        addr: format!("127.0.0.1:{port}"),
+        nodes: Vec::new(),
+        tansu: Some((proc, log_path)),
+        _dir: dir,
     }
-}
-
-fn wait_for_topic(brokers: &str, name: &str, partitions: i32) {
-    let consumer = base_consumer(brokers, None);
-    wait_for(
-        &format!("topic {name} with {partitions} partitions in metadata"),
-        Duration::from_secs(60),
-        || {
-            let md = consumer
-                .fetch_metadata(Some(name), Duration::from_secs(5))
-                .ok()?;
-            let t = md.topics().iter().find(|t| t.name() == name)?;
-            let ready = t.error().is_none()
-                && t.partitions().len() == partitions as usize
-                && t.partitions()
-                    .iter()
-                    .all(|p| p.error().is_none() && p.leader() >= 0);
-            ready.then_some(())
-        },
-    );
-}
-
-/// Next offset (high watermark) of every partition of `topic`, indexed by partition, for a topic
-/// nobody is producing to at the moment.
-///
-/// Tansu 0.6 (memory storage) answers ListOffsets(latest) with the base offset of the last record
-/// batch plus one, not the last offset plus one, so the listed value is only a lower bound: the
-/// tail from there on is read to find the real end.
-pub fn high_watermarks(brokers: &str, topic: &str) -> Vec<i64> {
-    let consumer = base_consumer(brokers, Some(&unique("harness-tail")));
-    let md = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .expect("fetch metadata");
-    let t = md
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic)
-        .unwrap_or_else(|| panic!("topic {topic} not in metadata"));
-    let n = t.partitions().len() as i32;
-    let mut ends: Vec<i64> = (0..n)
-        .map(|p| {
-            let (_, high) = consumer
-                .fetch_watermarks(topic, p, Duration::from_secs(10))
-                .unwrap_or_else(|e| panic!("watermarks of {topic}/{p}: {e}"));
-            high
-        })
-        .collect();
-    let mut tpl = TopicPartitionList::new();
-    for (p, &listed) in ends.iter().enumerate() {
-        tpl.add_partition_offset(topic, p as i32, Offset::Offset((listed - 1).max(0)))
-            .expect("add partition");
-    }
-    consumer.assign(&tpl).expect("assign");
-    let idle = Duration::from_millis(1500);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut last_message = Instant::now();
-    while last_message.elapsed() < idle && Instant::now() < deadline {
-        match consumer.poll(Duration::from_millis(100)) {
-            Some(Ok(m)) => {
-                let end = &mut ends[m.partition() as usize];
-                *end = (*end).max(m.offset() + 1);
-                last_message = Instant::now();
-            }
-            Some(Err(e)) => eprintln!("[harness] reading the tail of {topic}: {e}"),
-            None => {}
-        }
-    }
-    ends
-}
-
-/// Next offset of every partition (`0..partitions`) after messages at `positions`.
-pub fn ends_of(positions: &[(i32, i64)], partitions: i32) -> Vec<i64> {
-    let mut ends = vec![0; partitions as usize];
-    for &(p, o) in positions {
-        ends[p as usize] = ends[p as usize].max(o + 1);
-    }
-    ends
-}
-
-/// One message to produce: key, value, partition.
-pub type Msg = (Option<Vec<u8>>, Vec<u8>, i32);
-
-/// Produces every message to its explicit partition with an idempotent producer, waits for every
-/// delivery and returns the number of messages per partition.
-pub fn produce(
-    brokers: &str,
-    topic: &str,
-    messages: impl IntoIterator<Item = Msg>,
-) -> BTreeMap<i32, u64> {
-    let mut counts = BTreeMap::new();
-    for (partition, _) in produce_positions(brokers, topic, messages) {
-        *counts.entry(partition).or_insert(0) += 1;
-    }
-    counts
-}
-
-/// Produces one message to `partition` with the Kafka timestamp `timestamp_ms` (a producer
-/// whose clock is off), up to 8 MB large; returns its offset.
-pub fn produce_stamped(
-    brokers: &str,
-    topic: &str,
-    partition: i32,
-    value: &[u8],
-    timestamp_ms: i64,
-) -> i64 {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("message.max.bytes", "8388608")
-        .create()
-        .expect("create producer");
-    let record = FutureRecord::<(), _>::to(topic)
-        .payload(value)
-        .partition(partition)
-        .timestamp(timestamp_ms);
-    match futures::executor::block_on(producer.send(record, Duration::from_secs(30))) {
-        Ok(delivery) => delivery.offset,
-        Err((e, _)) => panic!("delivery to {topic} failed: {e}"),
-    }
-}
-
-/// Like `produce`, but returns the (partition, offset) of every message, in input order.
-///
-/// Every record batch holds exactly one message (`batch.num.messages=1`): Tansu 0.6 answers a
-/// fetch from an offset inside a multi-message batch with the *next* batch, silently skipping the
-/// rest of the one holding the offset, which would turn every resume position of the consumer
-/// (a fence + 1) inside a batch into lost events. One message per batch makes every offset a
-/// batch start. Partitions are spread over a few producers running in parallel to make up for
-/// the smaller batches; the order within a partition is kept.
-pub fn produce_positions(
-    brokers: &str,
-    topic: &str,
-    messages: impl IntoIterator<Item = Msg>,
-) -> Vec<(i32, i64)> {
-    produce_positions_with(brokers, topic, messages, &[])
-}
-
-/// `produce_positions` with extra librdkafka properties (TLS, SASL) for every producer.
-pub fn produce_positions_with(
-    brokers: &str,
-    topic: &str,
-    messages: impl IntoIterator<Item = Msg>,
-    properties: &[(&str, &str)],
-) -> Vec<(i32, i64)> {
-    let producers = std::env::var("TALLY_TEST_PRODUCERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4usize)
-        .max(1);
-    let mut lanes: Vec<Vec<(usize, Msg)>> = (0..producers).map(|_| Vec::new()).collect();
-    let mut total = 0;
-    for (i, m) in messages.into_iter().enumerate() {
-        lanes[m.2.rem_euclid(producers as i32) as usize].push((i, m));
-        total = i + 1;
-    }
-    let mut positions = vec![(-1, -1); total];
-    let results: Vec<Vec<(usize, (i32, i64))>> = thread::scope(|scope| {
-        let handles: Vec<_> = lanes
-            .into_iter()
-            .filter(|lane| !lane.is_empty())
-            .map(|lane| scope.spawn(move || produce_lane(brokers, topic, lane, properties)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    for (i, pos) in results.into_iter().flatten() {
-        positions[i] = pos;
-    }
-    positions
-}
-
-fn produce_lane(
-    brokers: &str,
-    topic: &str,
-    lane: Vec<(usize, Msg)>,
-    properties: &[(&str, &str)],
-) -> Vec<(usize, (i32, i64))> {
-    let batch = std::env::var("TALLY_TEST_BATCH_MESSAGES").unwrap_or_else(|_| "1".to_string());
-    let mut config = ClientConfig::new();
-    for (key, value) in properties {
-        config.set(*key, *value);
-    }
-    let producer: FutureProducer = config
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "5")
-        .set("batch.num.messages", &batch)
-        .set("queue.buffering.max.messages", "100000")
-        .set("message.timeout.ms", "300000")
-        .create()
-        .expect("create producer");
-    let mut out = Vec::with_capacity(lane.len());
-    futures::executor::block_on(async {
-        let mut pending = FuturesUnordered::new();
-        for (i, (key, value, partition)) in lane {
-            let mut rec = FutureRecord::to(topic).payload(&value).partition(partition);
-            if let Some(k) = &key {
-                rec = rec.key(k);
-            }
-            loop {
-                match producer.send_result(rec) {
-                    Ok(fut) => {
-                        pending.push(async move { (i, fut.await) });
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                        rec = r;
-                        match pending.next().await {
-                            Some((i, res)) => out.push((i, delivered(topic, res))),
-                            None => thread::sleep(Duration::from_millis(10)),
-                        }
-                    }
-                    Err((e, _)) => panic!("produce to {topic}: {e}"),
-                }
-            }
-            while pending.len() >= 10_000 {
-                let (i, res) = pending.next().await.unwrap();
-                out.push((i, delivered(topic, res)));
-            }
-        }
-        while let Some((i, res)) = pending.next().await {
-            out.push((i, delivered(topic, res)));
-        }
-    });
-    out
-}
-
-type DeliveryOutcome = Result<
-    rdkafka::producer::future_producer::OwnedDeliveryResult,
-    futures::channel::oneshot::Canceled,
->;
-
-fn delivered(topic: &str, res: DeliveryOutcome) -> (i32, i64) {
-    match res {
-        Ok(Ok(delivery)) => (delivery.partition, delivery.offset),
-        Ok(Err((e, _))) => panic!("delivery to {topic} failed: {e}"),
-        Err(_) => panic!("delivery to {topic} canceled"),
-    }
-}
-
-/// Reads `topic` from the beginning with a fresh group until every partition's high watermark
-/// (taken at call time) is reached, or `timeout` passes.
-pub fn read_topic(brokers: &str, topic: &str, timeout: Duration) -> Vec<OwnedMessage> {
-    let hwms = high_watermarks(brokers, topic);
-    let group = unique("harness-reader");
-    let consumer = base_consumer(brokers, Some(&group));
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..hwms.len() as i32 {
-        tpl.add_partition_offset(topic, p, Offset::Beginning)
-            .expect("add partition");
-    }
-    consumer.assign(&tpl).expect("assign");
-    let mut next: Vec<i64> = vec![0; hwms.len()];
-    let mut out = Vec::new();
-    let deadline = Instant::now() + timeout;
-    while next.iter().zip(&hwms).any(|(n, h)| n < h) && Instant::now() < deadline {
-        match consumer.poll(Duration::from_millis(200)) {
-            Some(Ok(m)) => {
-                next[m.partition() as usize] = m.offset() + 1;
-                out.push(m.detach());
-            }
-            Some(Err(e)) => eprintln!("[harness] reading {topic}: {e}"),
-            None => {}
-        }
-    }
-    out
-}
-
-/// Value of header `name` of a message as a UTF-8 string.
-pub fn header_str(m: &OwnedMessage, name: &str) -> Option<String> {
-    use rdkafka::message::Headers;
-    let headers = m.headers()?;
-    headers
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
 }

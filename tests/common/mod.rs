@@ -2,9 +2,11 @@
 //! and a wrapper around the `tally` binary.
 //!
 //! # Services
-//! - Kafka: `brokers()` starts one private Tansu broker per test process (or returns
-//!   `TALLY_TEST_BROKERS`, to run against another broker); tests that stop or signal a broker
-//!   start one of their own (`Broker::start_private`).
+//! - Kafka: `brokers()` is the Apache Kafka node scripts/test starts and shares among all test
+//!   binaries (`TALLY_TEST_BROKERS`), or one started for this test process; every test has its
+//!   own topics and groups. Tests that stop, empty or reconfigure a broker start one of their own
+//!   (`Broker::start_private`, `Broker::start_cluster(3)` for failovers). All of them start
+//!   through `scripts/kafka/broker`. `TALLY_TEST_BROKER=tansu` runs the suite on Tansu 0.6.
 //! - Redis: every test starts its own `redis-server` on a free loopback port (`RedisServer`).
 //!
 //! Every child process is paired with a small watchdog shell that holds a pipe from this process
@@ -17,7 +19,8 @@
 //!
 //! # Layout
 //! - `process`: children paired with a watchdog, and their log files.
-//! - `kafka`: the Tansu broker, topics, the producer, watermarks, topic readers.
+//! - `kafka`: Apache Kafka nodes and clusters (and Tansu), Kafka's command-line tools.
+//! - `topics`: topics, the producer, watermarks, topic readers.
 //! - `workload`: the hand-made event encoding, the workload generator, count comparison.
 //! - `redis_server`: private redis-server instances (with AOF), counters and fences.
 //! - `binary`: the `tally` process under test.
@@ -37,6 +40,7 @@ mod process;
 mod redis_server;
 mod scenario;
 mod tls;
+mod topics;
 mod workload;
 
 use std::collections::HashSet;
@@ -54,6 +58,7 @@ pub use process::file_tail;
 pub use redis_server::*;
 pub use scenario::*;
 pub use tls::*;
+pub use topics::*;
 pub use workload::*;
 
 /// A loopback port in 20000..45000 that was free a moment ago and was not handed out before by

@@ -10,13 +10,8 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use super::*;
-
-/// How long [`Scenario::wait_applied`] waits before it makes the group rebalance.
-const REJOIN_AFTER: Duration = Duration::from_secs(60);
 
 /// The names and broker of one test run.
 pub struct Scenario {
@@ -47,10 +42,21 @@ impl Scenario {
 
     /// `new`, on the given brokers.
     pub fn on(brokers: &str, test: &str, short: &str, partitions: i32) -> Scenario {
+        Self::with_topic(brokers, test, short, partitions, &[])
+    }
+
+    /// `on`, with topic settings (`max.message.bytes`, `retention.ms`, ...).
+    pub fn with_topic(
+        brokers: &str,
+        test: &str,
+        short: &str,
+        partitions: i32,
+        configs: &[(&str, &str)],
+    ) -> Scenario {
         let seed = seed(test);
         let brokers = brokers.to_string();
         let topic = unique(&format!("likes-{short}"));
-        create_topic_on(&brokers, &topic, partitions);
+        create_topic_with(&brokers, &topic, partitions, configs);
         Scenario {
             seed,
             brokers,
@@ -90,9 +96,6 @@ impl Scenario {
     }
 
     /// Waits until every partition's fence holds its last offset, calling `check` on each poll.
-    ///
-    /// Partitions still behind after a minute get one rejoin of the group (see
-    /// [`Scenario::rejoin`]) before the rest of `timeout` is waited.
     pub fn wait_applied(
         &self,
         conn: &mut redis::Connection,
@@ -100,73 +103,17 @@ impl Scenario {
         timeout: Duration,
         mut check: impl FnMut(),
     ) {
-        let first = timeout.min(REJOIN_AFTER);
-        let wait = |conn: &mut redis::Connection, limit: Duration, check: &mut dyn FnMut()| {
-            wait_applied_while(
-                conn,
-                &self.prefix,
-                &self.group,
-                &self.topic,
-                hwms,
-                limit,
-                check,
-            )
-        };
-        if timeout <= first {
-            return wait(conn, timeout, &mut check);
-        }
-        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            wait(conn, first, &mut check)
-        }));
-        if waited.is_ok() {
-            return;
-        }
-        self.rejoin();
-        wait(conn, timeout - first, &mut check);
+        wait_applied_while(
+            conn,
+            &self.prefix,
+            &self.group,
+            &self.topic,
+            hwms,
+            timeout,
+            &mut check,
+        )
     }
 
-    /// Waits for `f` like [`wait_for`]; if the group has not settled within `timeout`, it gets
-    /// one rejoin (see [`Scenario::rejoin`]) and `timeout` more.
-    pub fn wait_settled<T>(
-        &self,
-        what: &str,
-        timeout: Duration,
-        mut f: impl FnMut() -> Option<T>,
-    ) -> T {
-        if let Some(v) = try_wait_for(timeout, &mut f) {
-            return v;
-        }
-        self.rejoin();
-        wait_for(what, timeout, f)
-    }
-
-    /// Makes the group rebalance: a consumer of no use joins it and leaves again, without
-    /// fetching or committing anything. Tansu 0.6 can leave a partition with no owner after
-    /// members of a cooperative group die, and complete no further rebalance until a member
-    /// joins (docs/testing.md).
-    pub fn rejoin(&self) {
-        eprintln!(
-            "[harness] partitions still behind: a member joins and leaves group {} so it rebalances",
-            self.group
-        );
-        let member: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.brokers)
-            .set("group.id", &self.group)
-            .set("partition.assignment.strategy", "cooperative-sticky")
-            .set("session.timeout.ms", "6000")
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .create()
-            .expect("create the rejoining member");
-        member.subscribe(&[&self.topic]).expect("subscribe");
-        let until = std::time::Instant::now() + Duration::from_secs(8);
-        while std::time::Instant::now() < until {
-            // Fetched messages are dropped: this member never commits, so the group's owners
-            // read them again.
-            let _ = member.poll(Duration::from_millis(100));
-        }
-        member.unsubscribe();
-    }
 
     /// Every post's count in Redis equals `truth`.
     pub fn assert_exact(

@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::kafka::Msg;
+use super::topics::Msg;
 
 /// Action values of `tally.v1.Action`.
 pub const LIKE: i32 = 1;

@@ -2,7 +2,7 @@
 //! on the same events, in one run.
 //!
 //! For each workload (Zipf popularity; Zipf plus a viral reel) it starts its
-//! own Tansu broker and redis-server on free loopback ports, produces the
+//! own Apache Kafka broker and redis-server on free loopback ports, produces the
 //! events once into a topic, and then lets four consumers read that same
 //! backlog from the start, each in its own process, group and key prefix:
 //!
@@ -46,7 +46,7 @@ use rustc_hash::FxHashMap;
 
 use crate::tools::produce::{Plan, progress_bar, send};
 use report::{render, thousands, write_between_markers};
-use services::{start_redis, start_tansu};
+use services::{start_redis, start_kafka};
 use tally::generate::TrafficShape;
 use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
 use tally::read::Reader;
@@ -290,13 +290,13 @@ pub async fn bench(config: BenchConfig) -> Result<()> {
 fn bench_blocking(config: BenchConfig) -> Result<()> {
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir()?;
     let (_redis, redis) = start_redis(dir.path())?;
-    let (tansu, brokers) = start_tansu(dir.path())?;
+    let (kafka, brokers) = start_kafka(dir.path())?;
     let env = Env {
         brokers,
         redis,
         naive_max_secs: config.naive_max_secs,
         dir: dir.path().to_path_buf(),
-        broker_pid: tansu.pid().to_string(),
+        broker_pid: kafka.pid().to_string(),
         kafka_args: config
             .kafka_config
             .iter()

@@ -1,6 +1,6 @@
 //! Demo: the whole pipeline on one machine, with live figures.
 //!
-//! Starts a private Kafka-compatible broker (Tansu) and a private redis-server
+//! Starts a private Apache Kafka broker and a private redis-server
 //! on free loopback ports, a traffic generator with a viral post, and the
 //! aggregator, then prints events/s, batches/s, Redis increments per event and
 //! the viral post's count next to the number of likes actually produced. On
@@ -20,7 +20,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::tools::local::{Service, create_topic, start_redis, start_tansu};
+use crate::tools::local::{Service, create_topic, start_redis, start_kafka};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tally::domain::routing::KeyLayout;
 use tally::generate::{Traffic, TrafficShape};
@@ -53,8 +53,8 @@ pub struct DemoConfig {
 }
 
 /// Starts the demo's broker and topic.
-fn start_kafka(dir: &std::path::Path, topic: &str, partitions: u32) -> Result<(Service, String)> {
-    let (service, brokers) = start_tansu(dir)?;
+fn start_broker(dir: &std::path::Path, topic: &str, partitions: u32) -> Result<(Service, String)> {
+    let (service, brokers) = start_kafka(dir)?;
     create_topic(&brokers, topic, partitions)?;
     Ok((service, brokers))
 }
@@ -172,7 +172,7 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
     let dir = tempfile::tempdir().context("creating a scratch directory")?;
     let topic = "likes".to_string();
     let (_redis, redis_url) = start_redis(dir.path())?;
-    let (_kafka, brokers) = start_kafka(dir.path(), &topic, config.partitions)?;
+    let (_kafka, brokers) = start_broker(dir.path(), &topic, config.partitions)?;
     println!(
         "broker {brokers}, redis {redis_url}, topic {topic} ({} partitions), {} buckets per post",
         config.partitions, config.buckets

@@ -1,4 +1,4 @@
-//! Local services: a private redis-server and Tansu broker on free loopback
+//! Local services: a private redis-server and Apache Kafka node on free loopback
 //! ports, for the demo and the benchmark.
 //!
 //! Invariant: every process started here is a child of this one and is killed
@@ -84,54 +84,109 @@ pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
     Ok((service, format!("redis://127.0.0.1:{port}/")))
 }
 
-/// Starts a private Tansu broker with in-memory storage, logging into `dir`;
-/// returns it and its bootstrap address.
-pub fn start_tansu(dir: &Path) -> Result<(Service, String)> {
-    let program = tansu_program()?;
-    let port = free_port()?;
-    let url = format!("tcp://127.0.0.1:{port}");
-    let log = File::create(dir.join("tansu.log")).context("creating the broker log")?;
-    let child = Command::new(program)
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-        ])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdout(log.try_clone()?)
-        .stderr(log)
+/// The script that starts an Apache Kafka node: `TALLY_KAFKA_BROKER_SCRIPT`, else
+/// `scripts/kafka/broker` of the checkout this binary was built from (the demo and the
+/// benchmarks run from a checkout; scripts/demo and scripts/bench fetch the broker first).
+fn broker_script() -> PathBuf {
+    std::env::var_os("TALLY_KAFKA_BROKER_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kafka/broker"))
+}
+
+/// The Apache Kafka version scripts/kafka/pom.xml pins, the one [`start_kafka`] runs.
+pub fn kafka_version() -> &'static str {
+    const POM: &str = include_str!("../../../../scripts/kafka/pom.xml");
+    POM.split("<kafka.version>")
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap_or("4.x")
+}
+
+/// Starts a private Apache Kafka node (KRaft, broker and controller in one process) with its
+/// storage and log in `dir/kafka`, through `scripts/kafka/broker`; returns it and its bootstrap
+/// address once it has logged that it started.
+pub fn start_kafka(dir: &Path) -> Result<(Service, String)> {
+    let script = broker_script();
+    if !script.is_file() {
+        bail!(
+            "{} not found; run from a checkout of tally (scripts/demo, scripts/bench) or set TALLY_KAFKA_BROKER_SCRIPT",
+            script.display()
+        );
+    }
+    let home = dir.join("kafka");
+    std::fs::create_dir_all(&home).context("creating the broker's directory")?;
+    let (port, controller_port) = (free_port()?, free_port()?);
+    let out = File::create(home.join("stdout.log")).context("creating the broker log")?;
+    let child = Command::new(&script)
+        .arg("--dir")
+        .arg(&home)
+        .args(["--port", &port.to_string()])
+        .args(["--controller-port", &controller_port.to_string()])
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
         .process_group(0)
         .spawn()
-        .context("starting tansu")?;
+        .with_context(|| format!("starting {}", script.display()))?;
     let mut service = Service { child };
-    wait_for_port(port, "tansu", &mut service.child)?;
-    Ok((service, format!("127.0.0.1:{port}")))
-}
-
-fn tansu_program() -> Result<PathBuf> {
-    find_program("tansu").context(
-        "tansu not found; install it with `cargo install tansu --version 0.6.0 --features dynostore --locked` (scripts/demo and scripts/bench do)",
-    )
-}
-
-/// Creates `topic` with `partitions` partitions on a Tansu broker.
-pub fn create_topic(brokers: &str, topic: &str, partitions: u32) -> Result<()> {
-    let status = Command::new(tansu_program()?)
-        .args([
-            "topic",
-            "create",
-            topic,
-            "--partitions",
-            &partitions.to_string(),
-        ])
-        .args(["--broker", &format!("tcp://{brokers}")])
-        .stdout(Stdio::null())
-        .status()
-        .context("running tansu topic create")?;
-    if !status.success() {
-        bail!("tansu could not create topic {topic} on {brokers}");
+    let log = home.join("broker.log");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let started = std::fs::read_to_string(&log)
+            .is_ok_and(|text| text.contains("Kafka Server started"));
+        if started {
+            return Ok((service, format!("127.0.0.1:{port}")));
+        }
+        if let Ok(Some(status)) = service.child.try_wait() {
+            let said = std::fs::read_to_string(home.join("stdout.log")).unwrap_or_default();
+            bail!("the Kafka broker exited ({status}) before it started:\n{said}");
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the Kafka broker did not start within 120 s; see {}",
+                log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(())
+}
+
+/// Creates `topic` with `partitions` partitions and waits until the broker's metadata lists
+/// every partition with a leader.
+pub fn create_topic(brokers: &str, topic: &str, partitions: u32) -> Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let admin: AdminClient<DefaultClientContext> =
+        tally::infra::config::kafka_client_config(brokers, &[]).create()?;
+    let new = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(1));
+    let results = futures::executor::block_on(admin.create_topics(&[new], &AdminOptions::new()))?;
+    for result in results {
+        if let Err((name, code)) = result {
+            bail!("could not create topic {name} on {brokers}: {code}");
+        }
+    }
+    let consumer: BaseConsumer = tally::infra::config::kafka_client_config(brokers, &[]).create()?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()
+            .and_then(|md| {
+                let t = md.topics().iter().find(|t| t.name() == topic)?;
+                Some(
+                    t.error().is_none()
+                        && t.partitions().len() == partitions as usize
+                        && t.partitions().iter().all(|p| p.leader() >= 0),
+                )
+            })
+            .unwrap_or(false);
+        if ready {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("topic {topic} did not get leaders for its {partitions} partitions within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

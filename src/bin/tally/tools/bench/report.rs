@@ -122,10 +122,11 @@ fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fm
     }
     writeln!(
         out,
-        "Date: {}. Services on the same machine: Tansu broker (memory storage), redis-server {redis_version} \
+        "Date: {}. Services on the same machine: Apache Kafka {} (one KRaft node), redis-server {redis_version} \
          (no persistence), {} partitions per topic; tally's defaults: {} bucket(s) per post on a new prefix, \
          posts above {} events/s promoted to {} buckets.",
         today_utc(),
+        crate::tools::local::kafka_version(),
         config.partitions,
         DEFAULT_BUCKETS,
         DEFAULT_PROMOTE_ABOVE,
