@@ -187,6 +187,32 @@ ensure_kafka() {
     say "Apache Kafka $(kafka_version): $(find "$lib" -name '*.jar' | wc -l) jars in $((SECONDS - started)) s"
 }
 
+# Builds the reference Java producer, examples/java-producer, into its target/like-producer.jar
+# (tests/e2e_java_producer.rs runs it) when the jar is missing or older than its POM, its sources
+# or the event contract in proto/ it generates classes from. Maven fetches protoc, kafka-clients
+# and protobuf-java from Maven Central the first time. Installs a JDK and Maven first when missing.
+ensure_java_producer() {
+    local dir jar
+    dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/examples/java-producer"
+    jar="$dir/target/like-producer.jar"
+    if [ -f "$jar" ] &&
+        [ -z "$(find "$dir/pom.xml" "$dir/src" "$dir/../../proto" -newer "$jar" -print -quit)" ]; then
+        return
+    fi
+    local missing=()
+    command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jdk-headless)
+    command -v mvn >/dev/null 2>&1 || missing+=(maven)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        say "the Java producer needs ${missing[*]}: installing with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    say "building the Java producer: mvn -q -B -f examples/java-producer/pom.xml package"
+    local started=$SECONDS
+    mvn -q -B -f "$dir/pom.xml" package
+    say "built $jar in $((SECONDS - started)) s"
+}
+
 # A loopback port that nothing listens on, in 20000..45000 (the tests draw from the same range
 # and skip busy ports).
 free_loopback_port() {

@@ -67,10 +67,14 @@ fn ctrl_c_stops_the_demo_after_its_final_check() {
                 }
             }
             Err(_) => {
-                let _ = child.kill();
+                let _ = Command::new("kill")
+                    .args(["-KILL", "--", &format!("-{group}")])
+                    .status();
+                let _ = child.wait();
                 panic!(
-                    "the demo printed no table within 90 s:\n{}",
-                    seen.join("\n")
+                    "the demo printed no table within 90 s:\n{}\nstderr:\n{}",
+                    seen.join("\n"),
+                    errors.join().unwrap_or_default()
                 );
             }
         }

@@ -87,7 +87,13 @@ fn args(run: &Scenario, url: &str, dlq: &str, metrics: &str, extra: &[&str]) -> 
 
 #[test]
 fn wrong_clocks_stall_nothing_on_one_server() {
-    let run = Scenario::new("e2e_future_single", "future1", PARTITIONS);
+    let run = Scenario::with_topic(
+        &brokers(),
+        "e2e_future_single",
+        "future1",
+        PARTITIONS,
+        &[ANY_PRODUCER_CLOCK],
+    );
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let dlq = dead_letter_topic(&run);
@@ -120,7 +126,13 @@ fn wrong_clocks_stall_nothing_on_one_server() {
 #[test]
 fn wrong_clocks_stall_nothing_on_a_cluster_and_a_rebuild_agrees() {
     let cluster = RedisCluster::start(3, 0);
-    let run = Scenario::new("e2e_future_cluster", "future3", PARTITIONS);
+    let run = Scenario::with_topic(
+        &brokers(),
+        "e2e_future_cluster",
+        "future3",
+        PARTITIONS,
+        &[ANY_PRODUCER_CLOCK],
+    );
     let dlq = dead_letter_topic(&run);
     let metrics = format!("127.0.0.1:{}", free_port());
     let groups = GROUPS.to_string();

@@ -207,7 +207,22 @@ pub fn committed<C: Consumer<X>, X: ConsumerContext>(
     for p in 0..partitions as i32 {
         tpl.add_partition(topic, p);
     }
-    let found = consumer.committed_offsets(tpl, KAFKA_TIMEOUT)?;
+    // A group's coordinator may not be ready yet: on a new cluster the first
+    // lookup creates the offsets topic, and a coordinator that just moved is
+    // still loading. Those answers pass; anything else is the caller's error.
+    let deadline = std::time::Instant::now() + COORDINATOR_WAIT;
+    let found = loop {
+        match consumer.committed_offsets(tpl.clone(), KAFKA_TIMEOUT) {
+            Ok(found) => break found,
+            Err(error)
+                if coordinator_not_ready(&error) && std::time::Instant::now() < deadline =>
+            {
+                warn!(%error, "The group coordinator is not ready; asking again.");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(error) => return Err(error),
+        }
+    };
     Ok(found
         .elements()
         .iter()
@@ -216,6 +231,19 @@ pub fn committed<C: Consumer<X>, X: ConsumerContext>(
             _ => None,
         })
         .collect())
+}
+
+/// How long [`committed`] waits for a group coordinator that is not ready.
+const COORDINATOR_WAIT: Duration = Duration::from_secs(60);
+
+/// Whether `error` says the group's coordinator is being elected, moved or
+/// loaded: an answer that passes on its own.
+fn coordinator_not_ready(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(Code::NotCoordinator | Code::CoordinatorNotAvailable | Code::CoordinatorLoadInProgress)
+    )
 }
 
 #[cfg(test)]

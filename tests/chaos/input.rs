@@ -107,7 +107,13 @@ pub fn broker_empty(s: &Settings, row: &mut Row, _: &mut Leaks) {
 /// (counted: nothing waits for them) and a thousand years ahead (dead-lettered as
 /// `timestamp_out_of_range`, so not in the truth), with consumers SIGKILLed in between.
 pub fn wrong_clocks(s: &Settings, row: &mut Row, _: &mut Leaks) {
-    let run = scenario("chaos_clocks", "clocks");
+    let run = Scenario::with_topic(
+        &brokers(),
+        "chaos_clocks",
+        "clocks",
+        PARTITIONS,
+        &[ANY_PRODUCER_CLOCK],
+    );
     let redis = RedisServer::start();
     let args = run.tally_args(&redis.url());
     let mut tallies = [

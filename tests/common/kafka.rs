@@ -193,6 +193,9 @@ pub struct BrokerOptions {
     /// The client port; a free one when unset. Known before the start, so `settings` can name
     /// it in listeners.
     pub port: Option<u16>,
+    /// The controller port; a free one when unset. Known before the start, like `port`, for
+    /// `settings` that replace `listeners`.
+    pub controller_port: Option<u16>,
 }
 
 impl Broker {
@@ -235,7 +238,11 @@ impl Broker {
                     (0, Some(p)) => p,
                     _ => free_port(),
                 };
-                (port, free_port())
+                let controller_port = match (i, options.controller_port) {
+                    (0, Some(c)) => c,
+                    _ => free_port(),
+                };
+                (port, controller_port)
             })
             .collect();
         let voters = ports

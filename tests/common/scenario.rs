@@ -114,7 +114,6 @@ impl Scenario {
         )
     }
 
-
     /// Every post's count in Redis equals `truth`.
     pub fn assert_exact(
         &self,

@@ -19,6 +19,13 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use super::kafka::{brokers, on_tansu, tansu_bin};
 use super::{unique, wait_for};
 
+/// A topic setting that lets producers stamp records with any time. Since Kafka 3.6 a broker
+/// refuses records stamped more than an hour ahead of its clock by default
+/// (`log.message.timestamp.after.max.ms`); tests of producers with wrong clocks lift that limit,
+/// as a topic created before that default, or configured so, has none.
+pub const ANY_PRODUCER_CLOCK: (&str, &str) =
+    ("message.timestamp.after.max.ms", "9223372036854775807");
+
 fn base_consumer(brokers: &str, group: Option<&str>) -> BaseConsumer {
     let mut cfg = ClientConfig::new();
     cfg.set("bootstrap.servers", brokers)

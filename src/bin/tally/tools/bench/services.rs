@@ -143,11 +143,11 @@ const SEAL_POST: u64 = 1 << 41;
 /// Ends every partition of `topic` with one like of [`SEAL_POST`] in a record
 /// batch of its own, and adds them to `truth`; returns how many were sent.
 ///
-/// Tansu 0.6 reports a partition's high watermark as the first offset of its
-/// last record batch plus one. A log produced in large batches then ends,
-/// by its watermarks, up to a whole batch before its last message, and a
-/// wait for the watermarks to reach what was acknowledged never ends. A
-/// one-message batch at the end makes the watermark exact.
+/// The seals mark where a run's backlog ends. On a broker that reports a
+/// partition's high watermark as the first offset of its last record batch
+/// plus one (Tansu 0.6 does), a log produced in large batches would end, by
+/// its watermarks, up to a whole batch before its last message; a
+/// one-message batch at the end keeps the watermark exact there too.
 pub(super) fn seal(brokers: &str, topic: &str, truth: &mut FxHashMap<u64, i64>) -> Result<u64> {
     let producer: BaseProducer = tally::infra::config::kafka_client_config(brokers, &[])
         .set("enable.idempotence", "true")
