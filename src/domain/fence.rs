@@ -15,7 +15,9 @@
 //! A script for one group claims the contiguous offset range `start..=last`,
 //! where `start` is one past the fence the consumer believes in; `start` may lie
 //! below the first message of the range, vouching for offsets that held no
-//! event of that group. The decision:
+//! event of that group, and a range may hold no message at all (transaction
+//! markers and aborted records, which a read_committed consumer never
+//! receives). The decision:
 //!
 //! * `fence + 1 == start`: **apply**; the range continues exactly where Redis is;
 //! * `fence >= last`: **duplicate**; everything is already in (a retry, a zombie);

@@ -59,8 +59,8 @@ pub const READ_SECONDS: &str = "tally_read_request_seconds";
 pub const READ_FETCHES: &str = "tally_read_fetches_total";
 /// The metrics only `tally serve` records (its HTTP answers, by route).
 pub const SERVE_ONLY: [&str; 2] = [READ_REQUESTS, READ_SECONDS];
-/// Messages between a partition's last applied offset and its high
-/// watermark, by `partition`.
+/// Offsets between a partition's last commit and its last stable offset
+/// (the end of what a read_committed consumer may read), by `partition`.
 pub const CONSUMER_LAG: &str = "tally_consumer_lag_messages";
 /// Age of the newest applied event while newer ones wait (0 when caught
 /// up), by `partition`.
@@ -449,7 +449,7 @@ pub fn assigned(partitions: usize) {
     gauge!(ASSIGNED_PARTITIONS).set(partitions as f64);
 }
 
-/// Records a partition's lag (high watermark minus the next offset to apply).
+/// Records a partition's lag (last stable offset minus the next offset to apply).
 pub fn consumer_lag(partition: i32, messages: i64) {
     gauge!(CONSUMER_LAG, "partition" => partition.to_string()).set(messages.max(0) as f64);
 }

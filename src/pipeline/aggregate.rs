@@ -156,9 +156,29 @@ impl ClosedBatch {
         }
     }
 
+    /// The offsets `start..=last`, which the consumer passed without
+    /// receiving a message: transaction markers and the records of aborted
+    /// transactions, which a read_committed consumer never sees. Applied as
+    /// nothing, the range lets the fences and the commit reach a log that
+    /// ends with a marker; otherwise the partition would look behind forever.
+    pub fn passed(start: i64, last: i64) -> Self {
+        Self {
+            start,
+            last,
+            messages: 0,
+            bad: 0,
+            deltas: Vec::new(),
+        }
+    }
+
     /// Whether this is a probe.
     pub fn is_probe(&self) -> bool {
         self.start > self.last
+    }
+
+    /// Whether the range holds no message: a probe or a passed range.
+    pub fn is_empty(&self) -> bool {
+        self.messages == 0
     }
 
     /// Splits the deltas by slot group (index = group).
@@ -194,6 +214,16 @@ mod tests {
 
     fn id(post_id: u64, bucket: u32) -> CounterId {
         CounterId::v0(post_id, bucket)
+    }
+
+    #[test]
+    fn a_passed_range_claims_offsets_and_holds_no_message() {
+        let passed = ClosedBatch::passed(10, 12);
+        assert_eq!((passed.start, passed.last), (10, 12));
+        assert!(passed.is_empty() && !passed.is_probe());
+        assert!(passed.deltas.is_empty());
+        let probe = ClosedBatch::probe(10);
+        assert!(probe.is_empty() && probe.is_probe());
     }
 
     #[test]

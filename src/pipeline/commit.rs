@@ -2,8 +2,11 @@
 //!
 //! Invariant: an offset is committed only after the script covering it
 //! succeeded, and the committed value is `last + 1` (the next offset to read,
-//! as Kafka defines it). Commits are a hint and the lag signal: a lost or late
-//! commit only means a new owner re-reads a little and the fence discards it.
+//! as Kafka defines it). `last` may be a transaction marker: a range the
+//! consumer passed without a message is applied as nothing and committed
+//! like any other, so a partition whose log ends with a marker is committed
+//! to its end. Commits are a hint and the lag signal: a lost or late commit
+//! only means a new owner re-reads a little and the fence discards it.
 
 use std::collections::HashMap;
 use std::time::Duration;

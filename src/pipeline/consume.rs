@@ -8,10 +8,19 @@
 //! the partition starts at the committed offset and the first script call
 //! corrects the position: the fence check never depends on this read.
 //!
+//! Both group protocols hand partitions over through the same callback. Under
+//! the classic one with `cooperative-sticky`, and always under the consumer
+//! protocol (KIP-848, where the broker assigns), assignments and revocations
+//! are incremental: a rebalance may add or take one partition at a time, each
+//! addition is read at its fences like any other, and the partitions that
+//! stay keep flowing. A static member (`group.instance.id`) that restarts gets
+//! its partitions back without a rebalance, but through a new consumer, whose
+//! assignment passes here too.
+//!
 //! Offsets are never auto-committed or auto-stored: see [`crate::pipeline::commit`].
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
@@ -21,8 +30,10 @@ use rdkafka::types::RDKafkaRespErr;
 use tracing::{debug, error, info, warn};
 
 use crate::domain::fence::PartitionFences;
-use crate::infra::config::{KafkaSettings, kafka_client_config};
-use crate::infra::security::{KafkaRefusal, kafka_refusal, kafka_refusal_in_log};
+use crate::infra::config::{GroupProtocol, KafkaSettings, kafka_client_config};
+use crate::infra::security::{
+    KafkaAcl, KafkaRefusal, kafka_denied, kafka_refusal, kafka_refusal_in_log,
+};
 use crate::pipeline::apply::FenceReader;
 
 /// A partition handed to this consumer, with the fences found for it.
@@ -54,7 +65,11 @@ pub struct TallyContext {
     queue: Mutex<Vec<Rebalanced>>,
     /// The last SASL or TLS refusal librdkafka reported, for the start-up check.
     refused: Mutex<Option<KafkaRefusal>>,
-    /// Whether the group rebalances incrementally, as the consumer's
+    /// The ACL that lets the principal use the consumer's group, named when
+    /// the brokers deny it.
+    group_acl: Option<KafkaAcl>,
+    /// Whether the group rebalances incrementally: always under the consumer
+    /// protocol (KIP-848), and under the classic one as the consumer's
     /// `partition.assignment.strategy` says ([`cooperative`]). Decided once at
     /// creation: asked of librdkafka inside the final revoke of a closing
     /// consumer, the protocol can come back as none or never come back, and
@@ -71,6 +86,24 @@ impl TallyContext {
             queue: Mutex::new(Vec::new()),
             refused: Mutex::new(None),
             cooperative: false,
+            group_acl: None,
+        }
+    }
+
+    /// The context, naming `acl` when the brokers deny the consumer its group.
+    pub fn with_group_acl(mut self, acl: KafkaAcl) -> Self {
+        self.group_acl = Some(acl);
+        self
+    }
+
+    /// The ACL the brokers' `error` says this consumer lacks, if it is a
+    /// denial of its topic or its group.
+    pub fn denied(&self, error: &KafkaError) -> Option<KafkaAcl> {
+        use rdkafka::types::RDKafkaErrorCode as Code;
+        match error.rdkafka_error_code()? {
+            Code::TopicAuthorizationFailed => Some(KafkaAcl::on("Read", "topic", &self.topic)),
+            Code::GroupAuthorizationFailed => self.group_acl.clone(),
+            _ => None,
         }
     }
 
@@ -188,7 +221,9 @@ impl TallyContext {
 impl ClientContext for TallyContext {
     /// A SASL or TLS refusal is kept for [`explain`] and logged
     /// at debug level, with the "all brokers down" that follows it: the
-    /// start-up check reports it in one line.
+    /// start-up check reports it in one line. So is a denied topic or group,
+    /// which reaches the consumer's queue too: [`check_group`] and the run
+    /// loop stop with one line naming the ACL.
     fn error(&self, error: KafkaError, reason: &str) {
         let refusal = error
             .rdkafka_error_code()
@@ -197,7 +232,8 @@ impl ClientContext for TallyContext {
         if let Some(refusal) = &refusal {
             self.refused(refusal.clone());
         }
-        if refusal.is_some() || self.has_refused() {
+        let denied = error.rdkafka_error_code().is_some_and(kafka_denied);
+        if refusal.is_some() || self.has_refused() || denied {
             debug!(%error, reason, "Kafka refused the connection.");
         } else {
             error!("librdkafka: {error}: {reason}");
@@ -231,8 +267,12 @@ impl ClientContext for TallyContext {
     }
 
     /// librdkafka's statistics (every `statistics.interval.ms`): per owned
-    /// partition, the messages between the high watermark and the last
-    /// commit, which tally makes only after a batch is applied.
+    /// partition, the offsets between the last commit, which tally makes only
+    /// after a batch is applied, and the end of what the consumer may read.
+    /// Under read_committed librdkafka measures that end at the last stable
+    /// offset (`ls_offset`), not the high watermark (`hi_offset`): the
+    /// records of a transaction still open are not lag, since no consumer
+    /// can read them before the transaction ends.
     fn stats(&self, statistics: rdkafka::Statistics) {
         for topic in statistics.topics.values() {
             for (&partition, p) in &topic.partitions {
@@ -257,7 +297,15 @@ impl ConsumerContext for TallyContext {
             other => {
                 error!(error = ?other, "Rebalance failed; dropping the assignment.");
                 self.push(Rebalanced::Lost);
-                if let Err(error) = consumer.unassign() {
+                // An incremental consumer refuses the eager unassign.
+                let result = if self.cooperative {
+                    consumer
+                        .assignment()
+                        .and_then(|owned| consumer.incremental_unassign(&owned))
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(error) = result {
                     warn!(%error, "Unassigning after a failed rebalance failed.");
                 }
             }
@@ -289,26 +337,34 @@ pub fn create_consumer(
         // Aborted transactions are never counted; -X cannot change it.
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
-        // An idle fetch waits at most this long. A broker that holds every
-        // fetch for the whole wait, whatever fetch.min.bytes says (Tansu does),
-        // adds up to twice this to produce-to-visible latency: measured there
-        // with 8 partitions, p50/p99 of 160/216 ms at 100 ms, 48/64 ms at 25 ms
-        // and 25/33 ms at 10 ms. Kafka answers as soon as data arrives, so
-        // there it only sets how often an idle consumer asks.
+        // An idle fetch waits at most this long. Apache Kafka answers as soon
+        // as data arrives, so there it only sets how often an idle consumer
+        // asks. A broker that holds every fetch for the whole wait, whatever
+        // fetch.min.bytes says (Tansu 0.6 does), adds up to twice this to
+        // produce-to-visible latency: measured there with 8 partitions, p50/p99
+        // of 160/216 ms at 100 ms, 48/64 ms at 25 ms and 25/33 ms at 10 ms.
         .set("fetch.wait.max.ms", "20")
         .set("statistics.interval.ms", "5000")
-        // Incremental rebalancing: a consumer joining or leaving moves only
-        // the partitions that change hands; the others keep flowing.
-        .set("partition.assignment.strategy", "cooperative-sticky")
         .set("client.id", "tally");
+    if kafka.group_protocol == GroupProtocol::Classic {
+        // Incremental rebalancing: a consumer joining or leaving moves only
+        // the partitions that change hands; the others keep flowing. The
+        // consumer protocol always works so, and refuses the setting.
+        config.set("partition.assignment.strategy", "cooperative-sticky");
+    }
     for (key, value) in kafka.properties() {
         config.set(key, value);
     }
     config
         .set("group.id", group)
+        .set("group.protocol", kafka.group_protocol.as_str())
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
-    context.cooperative = cooperative(config.get("partition.assignment.strategy"));
+    if let Some(instance) = &kafka.group_instance_id {
+        config.set("group.instance.id", instance);
+    }
+    context.cooperative = kafka.group_protocol == GroupProtocol::Consumer
+        || cooperative(config.get("partition.assignment.strategy"));
     config.create_with_context(context)
 }
 
@@ -349,6 +405,19 @@ pub enum TopicError {
         brokers: String,
         /// The flag naming it.
         flag: &'static str,
+    },
+    /// The brokers deny the principal tally connects as an operation it needs.
+    #[error(
+        "Kafka at {brokers} denied {acl} to the principal tally connects as ({reason}); grant it: kafka-acls.sh --add --allow-principal User:<that principal> {grant} (docs/security.md lists the ACLs each command needs)",
+        grant = .acl.grant_args()
+    )]
+    Denied {
+        /// Bootstrap servers.
+        brokers: String,
+        /// The ACL missing (boxed: errors stay small).
+        acl: Box<KafkaAcl>,
+        /// The brokers' answer.
+        reason: String,
     },
 }
 
@@ -420,10 +489,107 @@ pub fn check_topic<C: Consumer<X>, X: ConsumerContext>(
         .iter()
         .find(|t| t.name() == topic)
         .ok_or_else(missing)?;
+    if let Some(error) = found.error() {
+        let code = rdkafka::types::RDKafkaErrorCode::from(error);
+        if kafka_denied(code) {
+            // Write implies the Describe metadata needs, as Read does.
+            let operation = if flag == "dead-letter-topic" {
+                "Write"
+            } else {
+                "Read"
+            };
+            return Err(TopicError::Denied {
+                brokers: brokers.to_string(),
+                acl: Box::new(KafkaAcl::on(operation, "topic", topic)),
+                reason: code.to_string(),
+            });
+        }
+    }
     if found.error().is_some() || found.partitions().is_empty() {
         return Err(missing());
     }
     Ok(found.partitions().len())
+}
+
+/// How long the group check waits for the group's coordinator: on a new
+/// cluster the first use of any group creates the offsets topic, whose
+/// partitions take a few seconds to load.
+const COORDINATOR_WAIT: Duration = Duration::from_secs(15);
+
+/// Checks, before subscribing, that the brokers let the consumer use
+/// `group` (the consumer's own): finds its coordinator and reads its
+/// committed offsets on the topic's `partitions`. A group the principal may
+/// not use stops the start with one line naming `acl`; unchecked, the
+/// consumer would wait for partitions that never come. A coordinator that
+/// does not answer is no reason to stop: the consumer finds it on its own
+/// once it is up.
+pub async fn check_group(
+    consumer: &LikeConsumer,
+    kafka: &KafkaSettings,
+    group: &str,
+    partitions: usize,
+    acl: &KafkaAcl,
+) -> Result<(), TopicError> {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    let mut tpl = TopicPartitionList::new();
+    for partition in 0..partitions as i32 {
+        tpl.add_partition(&kafka.topic, partition);
+    }
+    let deadline = Instant::now() + COORDINATOR_WAIT;
+    loop {
+        let asked = tokio::task::block_in_place(|| {
+            consumer.committed_offsets(tpl.clone(), Duration::from_secs(2))
+        });
+        let Err(source) = asked else {
+            return Ok(());
+        };
+        // A refused FindCoordinator reaches the consumer's queue, while the
+        // call that needed it only times out.
+        let code = match queued_denial(consumer).await {
+            Some(code) => Some(code),
+            None => source.rdkafka_error_code(),
+        };
+        match code {
+            Some(code) if kafka_denied(code) => {
+                let acl = match code {
+                    Code::TopicAuthorizationFailed => KafkaAcl::on("Read", "topic", &kafka.topic),
+                    _ => acl.clone(),
+                };
+                return Err(TopicError::Denied {
+                    brokers: kafka.brokers.clone(),
+                    acl: Box::new(acl),
+                    reason: code.to_string(),
+                });
+            }
+            Some(
+                Code::NotCoordinator
+                | Code::CoordinatorNotAvailable
+                | Code::CoordinatorLoadInProgress
+                | Code::OperationTimedOut,
+            ) if Instant::now() < deadline => {
+                debug!(%group, %source, "Group coordinator not ready; asking again.");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            _ => {
+                warn!(%group, %source, "Cannot read the group's committed offsets at start; going on.");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The denial among the errors waiting in the consumer's queue, if any.
+async fn queued_denial(consumer: &LikeConsumer) -> Option<rdkafka::types::RDKafkaErrorCode> {
+    let mut found = None;
+    // Nothing is subscribed yet: the queue holds events, not messages.
+    while let Ok(Err(error)) =
+        tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await
+    {
+        if let Some(code) = error.rdkafka_error_code().filter(|&c| kafka_denied(c)) {
+            found = Some(code);
+        }
+    }
+    found
 }
 
 #[cfg(test)]
@@ -444,11 +610,13 @@ mod tests {
         assert!(!cooperative(Some("cooperative-sticky,range")));
     }
 
-    fn created_with(extra: &[(&str, &str)]) -> bool {
+    fn created_with(protocol: GroupProtocol, extra: &[(&str, &str)]) -> bool {
         let kafka = KafkaSettings {
             brokers: "127.0.0.1:1".into(),
             topic: "likes".into(),
             group: "tally".into(),
+            group_protocol: protocol,
+            group_instance_id: Some("tally-0".into()),
             dead_letter_topic: None,
             security: KafkaSecurity::default(),
             extra: extra
@@ -465,7 +633,22 @@ mod tests {
 
     #[tokio::test]
     async fn the_consumer_knows_its_protocol_from_its_strategy() {
-        assert!(created_with(&[]));
-        assert!(!created_with(&[("partition.assignment.strategy", "range")]));
+        let classic = GroupProtocol::Classic;
+        assert!(created_with(classic, &[]));
+        assert!(!created_with(
+            classic,
+            &[("partition.assignment.strategy", "range")]
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_consumer_protocol_is_incremental_and_accepted_by_librdkafka() {
+        // librdkafka refuses to create a consumer-protocol consumer that has
+        // a classic-only setting, tally's own defaults included.
+        assert!(created_with(GroupProtocol::Consumer, &[]));
+        assert!(created_with(
+            GroupProtocol::Consumer,
+            &[("group.remote.assignor", "uniform")]
+        ));
     }
 }

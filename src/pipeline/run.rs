@@ -11,6 +11,10 @@
 //!   so groups left ahead by a crash between scripts are not given it twice;
 //! * a batch covers a contiguous range that starts at the position the
 //!   partition was read from, so the fence can tell a continuation from a gap;
+//! * offsets a read_committed consumer passes without a message (transaction
+//!   markers, aborted transactions) belong to the next batch's range, or,
+//!   when nothing follows them yet, to an empty range of their own, so fence
+//!   and commit reach the end of a log whose last record is a marker;
 //! * after any reply that moves a group's fence elsewhere than the batch's end
 //!   (straddle, gap, a duplicate ahead), the partition's buffer is dropped and
 //!   reading restarts at the lowest fence;
@@ -47,6 +51,7 @@ use crate::domain::layout::{self, LayoutError, OpenStore, Record};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, KafkaSettings, RunSettings};
 use crate::infra::metrics;
+use crate::infra::security::KafkaAcl;
 use crate::infra::store::ConnectError;
 use crate::pipeline::aggregate::{ClosedBatch, Limits};
 use crate::pipeline::apply::{Applier, ApplyError};
@@ -82,6 +87,17 @@ pub enum RunError {
     /// The Kafka client could not be created.
     #[error("cannot create the Kafka client: {0} (check -X settings)")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    /// librdkafka stopped the consumer for good: it would never fetch again.
+    #[error(
+        "the Kafka consumer stopped for good: {reason}{}; exiting so that the supervisor restarts tally (the fences make a restart exact)",
+        fatal_hint(*.code)
+    )]
+    KafkaFatal {
+        /// librdkafka's code for the cause.
+        code: rdkafka::types::RDKafkaErrorCode,
+        /// librdkafka's description.
+        reason: String,
+    },
     /// An apply task panicked.
     #[error(
         "an apply task failed ({0}); exiting so that the supervisor restarts tally (the fences make a restart exact)"
@@ -100,6 +116,23 @@ pub enum RunError {
     },
 }
 
+/// What to do about a fatal consumer error that a setting causes.
+fn fatal_hint(code: rdkafka::types::RDKafkaErrorCode) -> &'static str {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    match code {
+        Code::FencedInstanceId => {
+            " (another consumer joined the group with this --group-instance-id and took its partitions; give each replica a name of its own)"
+        }
+        Code::UnreleasedInstanceId => {
+            " (a member with this --group-instance-id is still in the group: another replica uses the name, or this one stopped without leaving and the broker keeps its place until group.consumer.session.timeout.ms passes)"
+        }
+        Code::UnsupportedVersion | Code::UnsupportedFeature => {
+            " (--group-protocol consumer needs a broker with KIP-848: Apache Kafka 4.0 or later)"
+        }
+        _ => "",
+    }
+}
+
 /// How a pipeline names its consumer group and its keys.
 #[derive(Debug, Clone)]
 pub struct Mode {
@@ -110,6 +143,9 @@ pub struct Mode {
     /// Write under this key prefix for the whole run; `None` follows the
     /// generation pointer (and the freeze flag), as `tally run` does.
     pub fixed_prefix: Option<String>,
+    /// The ACL that lets a principal use `kafka_group`, named when the
+    /// brokers deny it.
+    pub group_acl: KafkaAcl,
 }
 
 impl Mode {
@@ -118,6 +154,7 @@ impl Mode {
         Self {
             kafka_group: settings.kafka.group.clone(),
             fixed_prefix: None,
+            group_acl: KafkaAcl::on("Read", "group", &settings.kafka.group),
         }
     }
 }
@@ -154,7 +191,8 @@ pub async fn run(settings: RunSettings, shutdown: CancellationToken) -> Result<(
 ///
 /// Start-up, in order: check the settings, open the store, find the
 /// generation to write, read the routing registry, create the consumer and
-/// check the topics; only then subscribe.
+/// check the topics and the group (that they exist and the brokers let this
+/// principal use them); only then subscribe.
 pub async fn run_with(
     settings: RunSettings,
     mode: Mode,
@@ -186,9 +224,21 @@ pub async fn run_with(
         &kafka.group,
         &kafka.topic,
     );
-    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone());
+    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone())
+        .with_group_acl(mode.group_acl.clone());
     let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
     let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
+    consume::check_group(
+        &consumer,
+        kafka,
+        &mode.kafka_group,
+        partitions,
+        &mode.group_acl,
+    )
+    .await?;
+    // Before anything is written: a dead-letter topic tally may not write is
+    // refused like the consumed topic.
+    let dead_letters = dead_letters(&consumer, kafka)?;
     let first_start = FirstStart {
         consumer: &consumer,
         partitions,
@@ -205,13 +255,13 @@ pub async fn run_with(
     let (routes, watch, route_stop) = watch_routes(&applier, record.buckets, &settings, &shutdown)
         .await
         .map_err(unreadable)?;
-    let dead_letters = dead_letters(&consumer, kafka)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     consumer.subscribe(&[&kafka.topic])?;
     info!(
         topic = %kafka.topic,
         partitions,
         group = %mode.kafka_group,
+        group_protocol = %kafka.group_protocol,
         fence_group = %kafka.group,
         buckets = watch.current().defaults().latest().buckets,
         prefix = %applier.keys().prefix(),
@@ -554,10 +604,15 @@ impl Pipeline {
                             drop(message);
                             if accepted { self.after_accept(partition); }
                         }
-                        Err(error) => warn!(%error, "Kafka consumer error."),
+                        Err(error) => {
+                            self.stop_if_fatal()?;
+                            self.stop_if_denied(&error)?;
+                            warn!(%error, "Kafka consumer error.");
+                        }
                     }
                 }
                 _ = tick.tick() => {
+                    self.stop_if_fatal()?;
                     self.follow_generation(shutdown).await?;
                     self.table = self.watch.current();
                     self.detect();
@@ -592,6 +647,30 @@ impl Pipeline {
         }
     }
 
+    /// Ends the run when the brokers deny the consumer its topic or group (an
+    /// ACL removed, or `Describe` granted without `Read`): nothing would be
+    /// fetched or committed until an operator grants it.
+    fn stop_if_denied(&self, error: &rdkafka::error::KafkaError) -> Result<(), RunError> {
+        match self.consumer.context().denied(error) {
+            Some(acl) => Err(RunError::Topic(TopicError::Denied {
+                brokers: self.settings.kafka.brokers.clone(),
+                acl: Box::new(acl),
+                reason: error.to_string(),
+            })),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends the run when librdkafka has stopped the consumer for good (a
+    /// fenced static member, a protocol the broker lacks): the process would
+    /// otherwise stay up, owning nothing and fetching nothing.
+    fn stop_if_fatal(&self) -> Result<(), RunError> {
+        match self.consumer.client().fatal_error() {
+            Some((code, reason)) => Err(RunError::KafkaFatal { code, reason }),
+            None => Ok(()),
+        }
+    }
+
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
@@ -615,7 +694,7 @@ impl Pipeline {
             .get(&partition)
             .is_some_and(|s| s.batch.is_full(&self.limits));
         if full {
-            self.dispatch(partition);
+            self.dispatch(partition, None);
             self.blocked = self
                 .owned
                 .get(&partition)
@@ -641,15 +720,46 @@ impl Pipeline {
             })
             .map(|(&p, _)| p)
             .collect();
+        let probing = ready
+            .iter()
+            .any(|p| self.owned.get(p).is_some_and(|s| s.batch.is_empty()));
+        let positions = if probing {
+            self.positions()
+        } else {
+            HashMap::new()
+        };
         for partition in ready {
-            self.dispatch(partition);
+            self.dispatch(partition, positions.get(&partition).copied());
         }
         self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
     }
 
-    /// Sends a partition's batch (or, when it has none, a probe of its fences)
-    /// to Redis if the partition is idle, a slot is free and no freeze holds.
-    fn dispatch(&mut self, partition: i32) {
+    /// The consumer's position in each owned partition: one past the last
+    /// record it handed over or passed (transaction markers, records of
+    /// aborted transactions). Kept by librdkafka for the records this loop
+    /// has received, so offsets below it that no batch holds held no message.
+    fn positions(&self) -> HashMap<i32, i64> {
+        match self.consumer.position() {
+            Ok(list) => list
+                .elements_for_topic(&self.settings.kafka.topic)
+                .iter()
+                .filter_map(|e| match e.offset() {
+                    Offset::Offset(o) => Some((e.partition(), o)),
+                    _ => None,
+                })
+                .collect(),
+            Err(error) => {
+                debug!(%error, "Cannot read the consumer's positions; probing only.");
+                HashMap::new()
+            }
+        }
+    }
+
+    /// Sends a partition's batch to Redis if the partition is idle, a slot is
+    /// free and no freeze holds. A partition without one sends the offsets up
+    /// to `position` that it passed without a message, or else a probe of its
+    /// fences.
+    fn dispatch(&mut self, partition: i32, position: Option<i64>) {
         if self.busy.contains(&partition)
             || self.busy.len() >= self.settings.batching.max_in_flight
             || self.following.as_ref().is_some_and(Following::frozen)
@@ -673,7 +783,18 @@ impl Pipeline {
         };
         let mut batch = match (taken, state.next) {
             (Some(batch), _) => batch,
-            (None, Some(next)) if state.known.is_some() => ClosedBatch::probe(next),
+            (None, Some(next)) if state.known.is_some() => match position {
+                // Every message below the position entered a batch or was
+                // dropped as stale (a seek resets the position), and the
+                // batch is empty: the offsets from `next` on held markers or
+                // aborted records. A log that ends with a marker would
+                // otherwise keep fence and commit short of its end for good.
+                Some(end) if end > next => {
+                    state.next = Some(end);
+                    ClosedBatch::passed(next, end - 1)
+                }
+                _ => ClosedBatch::probe(next),
+            },
             (None, _) => return,
         };
         let groups = self.applier.keys().groups().clone();
@@ -681,10 +802,11 @@ impl Pipeline {
         // Scripts are planned here when the fences are known; otherwise the
         // task establishes them first.
         let planned = state.known.as_ref().map(|known| {
-            let probe = batch.is_probe();
+            // A range without messages moves every group's fence.
+            let empty = batch.is_empty();
             let advanced_at = &mut state.advanced_at;
             plan(partition, &mut batch, &groups, known, |g| {
-                let due = single || probe || advanced_at[g as usize].elapsed() >= PROBE_EVERY;
+                let due = single || empty || advanced_at[g as usize].elapsed() >= PROBE_EVERY;
                 if due {
                     advanced_at[g as usize] = Instant::now();
                 }
@@ -753,6 +875,9 @@ impl Pipeline {
             Err(error) => return Err(RunError::Crashed(error.to_string())),
         };
         self.busy.remove(&done.partition);
+        // A revocation queued while this batch was in flight takes effect
+        // first, so a partition handed to another member is never committed.
+        self.apply_rebalances();
         let partition = done.partition;
         let finished = match done.result {
             Ok(finished) => finished,
@@ -760,7 +885,9 @@ impl Pipeline {
             Err(source) => return Err(RunError::Apply { partition, source }),
         };
         let probe = done.start > done.last;
-        if !probe {
+        // Probes and passed ranges are not batches of the metrics.
+        let carried = done.messages > 0;
+        if carried {
             metrics::stage("script", done.took);
         }
         let current = self
@@ -806,7 +933,7 @@ impl Pipeline {
         for &(group, reply, _) in &replies {
             continues &= tracker.record(group, done.last, reply);
         }
-        if !probe || !continues {
+        if carried || !continues {
             metrics::batch_done(continues, done.messages, done.bad, increments, done.took);
         }
         if continues {

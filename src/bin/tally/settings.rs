@@ -18,8 +18,8 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
 use tally::infra::config::{
-    self as lib, Batching, ConfigError, HotSettings, KafkaSecurity, KafkaSecurityInput,
-    KafkaSettings, Password, RedisTlsFiles, RunSettings, StoreSettings,
+    self as lib, Batching, ConfigError, GroupProtocol, HotSettings, KafkaSecurity,
+    KafkaSecurityInput, KafkaSettings, Password, RedisTlsFiles, RunSettings, StoreSettings,
 };
 use tally::infra::security::{SaslMechanism, SecurityProtocol};
 use tally::infra::store::ReplicaWait;
@@ -198,6 +198,19 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_GROUP", default_value = lib::DEFAULT_GROUP, help_heading = KAFKA)]
     pub group: String,
 
+    /// How the group assigns partitions: `classic` (members agree, with the cooperative-sticky
+    /// assignor) or `consumer` (KIP-848: the broker assigns; needs Apache Kafka 4.0 or later,
+    /// and takes session and heartbeat timing from the broker's group.consumer.* settings).
+    #[arg(long, env = "TALLY_GROUP_PROTOCOL", default_value = "classic", value_parser = group_protocol_parser(), help_heading = KAFKA)]
+    pub group_protocol: GroupProtocol,
+
+    /// Static membership (group.instance.id): a name of this replica's own, kept across its
+    /// restarts (a StatefulSet pod's name), so a restart within the session timeout gets its
+    /// partitions back without a rebalance. Two live consumers with one name: one is fenced
+    /// and exits.
+    #[arg(long, env = "TALLY_GROUP_INSTANCE_ID", value_name = "NAME", help_heading = KAFKA)]
+    pub group_instance_id: Option<String>,
+
     /// Topic that receives copies of malformed messages (with the reason in a header).
     #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC", help_heading = KAFKA)]
     pub dead_letter_topic: Option<String>,
@@ -317,9 +330,9 @@ pub struct RunArgs {
     #[serde(skip)]
     pub accept_lost_counts: bool,
 
-    /// Extra librdkafka setting, repeatable: -X session.timeout.ms=6000. In the
+    /// Extra librdkafka setting, repeatable: -X fetch.max.bytes=10485760. In the
     /// file, a [kafka-config] table. Commits, offset storage, auto.offset.reset and
-    /// isolation.level stay tally's.
+    /// isolation.level stay tally's; settings of the other --group-protocol are refused.
     #[arg(short = 'X', long = "kafka-config", env = "TALLY_KAFKA_CONFIG", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = parse_key_value, help_heading = KAFKA)]
     #[serde(with = "kafka_table")]
     pub kafka_config: Vec<(String, String)>,
@@ -365,6 +378,8 @@ impl RunArgs {
                 brokers: self.brokers.clone(),
                 topic: self.topic.clone(),
                 group: self.group.clone(),
+                group_protocol: self.group_protocol,
+                group_instance_id: self.group_instance_id.clone(),
                 dead_letter_topic: self.dead_letter_topic.clone(),
                 security,
                 extra: self.kafka_config.clone(),
@@ -414,6 +429,12 @@ impl RunArgs {
             key_location: self.kafka_ssl_key_location.clone(),
         })
     }
+}
+
+/// `--group-protocol`'s values.
+fn group_protocol_parser() -> impl TypedValueParser<Value = GroupProtocol> {
+    PossibleValuesParser::new(GroupProtocol::ALL.map(GroupProtocol::as_str))
+        .map(|name| name.parse().expect("a listed protocol"))
 }
 
 /// `--kafka-security-protocol`'s values.
@@ -568,6 +589,57 @@ mod tests {
         ];
         assert!(flags(fine).is_empty());
         assert!(flags(&[]).is_empty(), "defaults: 10 s within 45 s");
+    }
+
+    #[test]
+    fn the_group_protocol_decides_which_kafka_settings_apply() {
+        let consumer = ["--group-protocol", "consumer"];
+        let settings = parse(&consumer).settings().unwrap();
+        assert_eq!(settings.kafka.group_protocol, GroupProtocol::Consumer);
+        assert_eq!(
+            parse(&[]).settings().unwrap().kafka.group_protocol,
+            GroupProtocol::Classic
+        );
+        let with = |extra: &[&str]| {
+            let args: Vec<&str> = consumer.iter().chain(extra).copied().collect();
+            flags(&args)
+        };
+        assert_eq!(
+            with(&[
+                "-X",
+                "session.timeout.ms=6000",
+                "-X",
+                "heartbeat.interval.ms=1000"
+            ]),
+            ["kafka-config", "kafka-config"]
+        );
+        // The broker's session timeout is out of tally's reach.
+        assert!(with(&["--shutdown-timeout-secs", "60"]).is_empty());
+        assert_eq!(
+            flags(&["--shutdown-timeout-secs", "60"]),
+            ["shutdown-timeout-secs"]
+        );
+        assert_eq!(
+            flags(&["-X", "group.remote.assignor=uniform"]),
+            ["kafka-config"]
+        );
+        assert!(parse_flags::<RunArgs>(&["--group-protocol", "eager"]).is_err());
+    }
+
+    #[test]
+    fn a_static_member_names_itself_once() {
+        let settings = parse(&["--group-instance-id", "tally-0"])
+            .settings()
+            .unwrap();
+        assert_eq!(settings.kafka.group_instance_id.as_deref(), Some("tally-0"));
+        assert_eq!(
+            flags(&["--group-instance-id", "tally 0"]),
+            ["group-instance-id"]
+        );
+        assert_eq!(
+            flags(&["-X", "group.instance.id=tally-0"]),
+            ["kafka-config"]
+        );
     }
 
     #[test]
