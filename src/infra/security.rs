@@ -9,7 +9,9 @@
 //! A refused handshake is named, not guessed at: [`tls_problem`] tells an
 //! unknown issuer from an expired certificate, a name mismatch and a missing
 //! client certificate, and [`kafka_refusal`] tells a broker that turned the
-//! SASL login or the TLS handshake down from one that is not there.
+//! SASL login or the TLS handshake down from one that is not there. A broker
+//! that let tally in but denies it a topic or a group names the ACL to add
+//! ([`KafkaAcl`], [`kafka_denied`]).
 //!
 //! Kafka settings map onto librdkafka properties: `security.protocol`,
 //! `sasl.mechanism`, `sasl.username`, `sasl.password`, `ssl.ca.location`,
@@ -449,6 +451,8 @@ impl TlsProblem {
                 TlsProblem::ClientCertificate,
             ),
             ("alert certificate required", TlsProblem::ClientCertificate),
+            // Apache Kafka's answer to a client without a certificate it trusts.
+            ("alert bad certificate", TlsProblem::ClientCertificate),
             ("received corrupt message", TlsProblem::NotTls),
         ];
         WORDS
@@ -539,9 +543,96 @@ pub fn kafka_refusal_in_log(message: &str) -> Option<KafkaRefusal> {
     None
 }
 
+/// A Kafka ACL the brokers did not grant the principal tally connects as:
+/// what a denial names, so the operator can add exactly it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaAcl {
+    /// The operation to allow: `Read` or `Write` (each implies `Describe`).
+    pub operation: &'static str,
+    /// `topic` or `group`.
+    pub resource: &'static str,
+    /// The resource's name, or with `prefixed` the start of every name it covers.
+    pub name: String,
+    /// Whether the ACL covers every name starting with `name`.
+    pub prefixed: bool,
+}
+
+impl KafkaAcl {
+    /// `operation` on the `resource` named `name`.
+    pub fn on(operation: &'static str, resource: &'static str, name: &str) -> Self {
+        Self {
+            operation,
+            resource,
+            name: name.to_string(),
+            prefixed: false,
+        }
+    }
+
+    /// `operation` on every `resource` whose name starts with `prefix`.
+    pub fn on_prefix(operation: &'static str, resource: &'static str, prefix: &str) -> Self {
+        Self {
+            prefixed: true,
+            ..Self::on(operation, resource, prefix)
+        }
+    }
+
+    /// The arguments of `kafka-acls.sh --add` that grant it.
+    pub fn grant_args(&self) -> String {
+        let pattern = if self.prefixed {
+            " --resource-pattern-type prefixed"
+        } else {
+            ""
+        };
+        format!(
+            "--operation {} --{} {}{pattern}",
+            self.operation, self.resource, self.name
+        )
+    }
+}
+
+impl std::fmt::Display for KafkaAcl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.prefixed {
+            write!(
+                f,
+                "{} on {}s prefixed '{}'",
+                self.operation, self.resource, self.name
+            )
+        } else {
+            write!(f, "{} on {} '{}'", self.operation, self.resource, self.name)
+        }
+    }
+}
+
+/// Whether `code` is the brokers' refusal of an operation on a topic or a
+/// consumer group: an ACL missing, which no retry fixes.
+pub fn kafka_denied(code: rdkafka::types::RDKafkaErrorCode) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        code,
+        Code::TopicAuthorizationFailed | Code::GroupAuthorizationFailed
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_acl_is_named_with_the_arguments_that_grant_it() {
+        let topic = KafkaAcl::on("Read", "topic", "likes");
+        assert_eq!(topic.to_string(), "Read on topic 'likes'");
+        assert_eq!(topic.grant_args(), "--operation Read --topic likes");
+        let groups = KafkaAcl::on_prefix("Read", "group", "tally-rebuild-");
+        assert_eq!(
+            groups.to_string(),
+            "Read on groups prefixed 'tally-rebuild-'"
+        );
+        assert_eq!(
+            groups.grant_args(),
+            "--operation Read --group tally-rebuild- --resource-pattern-type prefixed"
+        );
+    }
 
     #[test]
     fn tls_problems_are_named_from_rustls_errors_and_from_text() {
@@ -603,6 +694,13 @@ mod tests {
             kafka_refusal_in_log("Connect to ipv4#127.0.0.1:1 failed"),
             None
         );
+        let line = "[thrd:ssl://h:1/bootstrap]: ssl://h:1/bootstrap: Receive failed: \
+                    error:0A000412:SSL routines::sslv3 alert bad certificate: SSL alert number 42 \
+                    (after 1ms in state APIVERSION_QUERY)";
+        assert!(matches!(
+            kafka_refusal_in_log(line),
+            Some(KafkaRefusal::Tls(Some(TlsProblem::ClientCertificate), _))
+        ));
     }
 
     #[test]

@@ -74,6 +74,7 @@ use crate::domain::layout::OpenStore;
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::{CLOCK_FIELD, DEFAULT_FIELD, FINAL_FIELD, wall_ms};
 use crate::infra::config::RunSettings;
+use crate::infra::security::KafkaAcl;
 use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
 use crate::pipeline::apply::Applier;
@@ -443,6 +444,12 @@ fn rebuild_mode(settings: &RunSettings, keys: &KeyLayout, k: u64) -> Mode {
     Mode {
         kafka_group: format!("{}-{}", rebuild_groups(&settings.kafka.group, k), wall_ms()),
         fixed_prefix: Some(keys.prefix().to_string()),
+        // One ACL for every rebuild's groups, whatever the generation.
+        group_acl: KafkaAcl::on_prefix(
+            "Read",
+            "group",
+            &format!("{}-rebuild-", settings.kafka.group),
+        ),
     }
 }
 

@@ -87,7 +87,7 @@ impl Pki {
 
     /// Signs `name.pem` (key `name.key`) with the CA, for `cn` and `san`, valid for `days`
     /// (a negative number makes it expired).
-    fn issue(&self, name: &str, cn: &str, san: &str, days: &str) {
+    pub fn issue(&self, name: &str, cn: &str, san: &str, days: &str) {
         let d = self.dir.path();
         let ext = format!("{name}.ext");
         std::fs::write(
