@@ -57,19 +57,14 @@ ensure_build_deps() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
-# Installs what the TLS tests need: openssl makes their private CA and certificates, and socat
-# terminates TLS in front of the Tansu broker (tests/e2e_kafka_security.rs; Tansu 0.6.0 serves no
-# TLS of its own).
+# Installs what the TLS tests need: openssl makes their private CA and certificates.
 ensure_tls_tools() {
-    local missing=()
-    command -v openssl >/dev/null 2>&1 || missing+=(openssl)
-    command -v socat >/dev/null 2>&1 || missing+=(socat)
-    if [ "${#missing[@]}" -eq 0 ]; then
+    if command -v openssl >/dev/null 2>&1; then
         return
     fi
-    say "the TLS tests need ${missing[*]}: installing with apt-get"
+    say "the TLS tests need openssl: installing with apt-get"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null
 }
 
 # Installs Debian's docker-compose (the deploy test checks docker-compose.yml with

@@ -27,7 +27,7 @@
 //! - `metrics`: scraping and parsing its Prometheus endpoint.
 //! - `scenario`: one run's names, a producer thread, and the final wait-and-compare.
 //! - `tls`: a private CA and certificates (`openssl`), TLS-only redis-servers and a TLS Redis
-//!   Cluster, and a TLS terminator (`socat`) in front of a broker.
+//!   Cluster.
 //! - here: ports, names, seeds and polling.
 
 // Each test binary uses a different part of the harness.

@@ -1,5 +1,5 @@
 //! TLS for the tests: a private CA and certificates made with `openssl`, redis-servers and a
-//! Redis Cluster that speak only TLS, and a TLS terminator (`socat`) in front of a broker.
+//! Redis Cluster that speak only TLS.
 //!
 //! Every certificate is made fresh per test process, so nothing depends on the machine's clock
 //! or trust store: the system's roots never sign a test certificate.
@@ -16,7 +16,6 @@ use super::process::{Guarded, file_tail, log_dir};
 use super::{free_port, port_open, redis_tool, scan_keys};
 
 pub const OPENSSL_INSTALL: &str = "apt-get update && apt-get install -y openssl";
-pub const SOCAT_INSTALL: &str = "apt-get update && apt-get install -y socat";
 
 /// A private CA with certificates for the tests, in a directory of its own.
 pub struct Pki {
@@ -410,64 +409,5 @@ impl TlsCluster {
 
     pub fn pids(&self) -> Vec<u32> {
         self.procs.iter().map(Guarded::pid).collect()
-    }
-}
-
-/// `socat`, terminating TLS on a loopback port with `server`'s certificate and passing the bytes
-/// on to `backend`; with `client_ca`, it asks for a client certificate that CA signed.
-pub struct TlsTerminator {
-    pub port: u16,
-    proc: Guarded,
-    _logs: TempDir,
-}
-
-impl TlsTerminator {
-    pub fn start(server: &Pair, client_ca: Option<&Path>, backend: &str) -> TlsTerminator {
-        TlsTerminator::start_on(free_port(), server, client_ca, backend)
-    }
-
-    pub fn start_on(
-        port: u16,
-        server: &Pair,
-        client_ca: Option<&Path>,
-        backend: &str,
-    ) -> TlsTerminator {
-        let logs = log_dir("socat-");
-        let log = File::create(logs.path().join("socat.log")).unwrap();
-        let verify = match client_ca {
-            Some(ca) => format!("verify=1,cafile={}", path(ca)),
-            None => "verify=0".to_string(),
-        };
-        let listen = format!(
-            "OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={},key={},{verify}",
-            path(&server.cert),
-            path(&server.key)
-        );
-        let proc = Guarded::spawn(
-            Command::new("socat")
-                .arg(listen)
-                .arg(format!("TCP:{backend}"))
-                .stdout(log.try_clone().unwrap())
-                .stderr(log),
-        )
-        .unwrap_or_else(|e| panic!("socat is not installed ({e}); run: {SOCAT_INSTALL}"));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !port_open(port) {
-            assert!(Instant::now() < deadline, "socat did not listen on {port}");
-            thread::sleep(Duration::from_millis(50));
-        }
-        TlsTerminator {
-            port,
-            proc,
-            _logs: logs,
-        }
-    }
-
-    pub fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.proc.pid()
     }
 }
