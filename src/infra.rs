@@ -1,5 +1,6 @@
 //! What the service runs on: its settings, its Redis connections, retries,
-//! metrics, health, the HTTP listener and security.
+//! metrics, health, the HTTP listener, security and the supervision of
+//! background tasks.
 //!
 //! Nothing here imports the pipeline, the domain or the operations: these
 //! modules know about Redis, Kafka clients and HTTP, not about likes.
@@ -11,3 +12,4 @@ pub mod metrics;
 pub mod retry;
 pub mod security;
 pub mod store;
+pub mod tasks;

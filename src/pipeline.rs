@@ -10,6 +10,7 @@ pub mod commit;
 pub mod consume;
 pub mod dead_letter;
 pub mod decode;
+pub mod dedupe;
 pub mod guard;
 pub mod hot;
 pub mod run;

@@ -28,7 +28,9 @@
 //! shorter) before; a reader never goes back to an older generation than one
 //! it has read. A rebuild moves the pointer only to a generation at or past
 //! every fence of the old one while the old one is frozen, so a post that only
-//! gains likes never reads lower after the switch than before it.
+//! gains likes never reads lower after the switch than before it. A pointer
+//! that moved back (see [`generation::Backwards`]) is reported, once per
+//! pointer value, with a metric and an ERROR line naming the remedy.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -112,6 +114,8 @@ struct Inner {
     base: KeyLayout,
     /// The generation last read, its layout, and when.
     layout: Mutex<(u64, KeyLayout, Option<Instant>)>,
+    /// The pointer that moved back last reported: (current, highest).
+    reported_back: Mutex<Option<(u64, u64)>>,
     /// Version 0's bucket count, from the layout record.
     epoch0: u32,
     /// The default layout the last read found: the first round trip reads
@@ -149,6 +153,7 @@ impl Reader {
             inner: Arc::new(Inner {
                 store,
                 layout: Mutex::new((0, keys.clone(), None)),
+                reported_back: Mutex::new(None),
                 base: keys,
                 epoch0,
                 defaults: Mutex::new(Defaults::fixed(epoch0)),
@@ -174,6 +179,7 @@ impl Reader {
         }
         let read_at = Instant::now();
         let pointer = generation::read_pointer(&inner.store, inner.base.prefix()).await?;
+        self.report_backwards(&pointer);
         let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
         if pointer.current >= layout.0 || layout.2.is_none() {
             let prefix = generation::prefix_of(inner.base.prefix(), pointer.current);
@@ -184,6 +190,23 @@ impl Reader {
             );
         }
         Ok((layout.0, layout.1.clone()))
+    }
+
+    /// Reports a pointer that moved back, once per value it takes.
+    fn report_backwards(&self, pointer: &generation::Pointer) {
+        let backwards = pointer.backwards(self.inner.base.prefix());
+        let seen = backwards.as_ref().map(|b| (b.current, b.highest));
+        let mut reported = self
+            .inner
+            .reported_back
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if *reported != seen {
+            *reported = seen;
+            if let Some(backwards) = &backwards {
+                generation::report_backwards(backwards);
+            }
+        }
     }
 
     /// Every key a read of `post_id` sums now, and the generation's prefix.

@@ -329,6 +329,8 @@ fn every_failure_has_an_alert() {
     for needed in [
         "TallyLagGrowing",
         "TallyNoProgress",
+        "TallyOffsetsSkipped",
+        "TallyFenceAhead",
         "TallyBadMessages",
         "TallyDeadLettersStuck",
         "TallyApplyErrors",
@@ -945,4 +947,32 @@ fn metric_names_are_found_in_expressions() {
     assert!(metric_names("up{job=\"tally\"} == 0").is_empty());
     assert!(exported("tally_apply_seconds_count"));
     assert!(!exported("tally_events_total_bucket"));
+}
+
+/// A bucket count in an example would refuse every replica started after `tally rebucket`
+/// (tests/e2e_running.rs starts one, with the Kubernetes example's settings, after a rebucket).
+#[test]
+fn no_example_pins_the_bucket_count() {
+    let toml: toml::Table = read(&repo().join("deploy/k8s/tally.toml")).parse().unwrap();
+    assert!(
+        !toml.contains_key("buckets"),
+        "deploy/k8s/tally.toml sets buckets"
+    );
+    let compose = &yaml(&repo().join("docker-compose.yml"))[0];
+    let env = &compose["x-tally"]["environment"];
+    assert!(env.as_hash().is_some(), "x-tally has an environment");
+    assert!(
+        env["TALLY_BUCKETS"].is_badvalue(),
+        "docker-compose.yml sets TALLY_BUCKETS"
+    );
+    let mut files = Vec::new();
+    files_under(&repo().join("deploy"), &mut files);
+    for file in files {
+        let text = read(&file);
+        assert!(
+            !text.contains("TALLY_BUCKETS") && !text.contains("--buckets"),
+            "{} pins the bucket count",
+            file.display()
+        );
+    }
 }

@@ -53,7 +53,7 @@ fn changed_layout_flags_are_refused_and_readers_need_none() {
     assert_eq!(written.get("slot_groups").map(String::as_str), Some("1"));
     assert_eq!(written.get("group"), Some(&run.group));
     assert_eq!(written.get("topic"), Some(&run.topic));
-    assert_eq!(written.get("format").map(String::as_str), Some("1"));
+    assert_eq!(written.get("format").map(String::as_str), Some("2"));
 
     // Each changed flag: one line naming the flag, the stored value and the remedy; exit 1.
     let canary = format!("{}-canary", run.group);

@@ -75,6 +75,8 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
         tally::infra::metrics::CONSUMER_LAG,
         tally::infra::metrics::CONSUMER_LAG_SECONDS,
         tally::infra::metrics::APPLIED_OFFSET,
+        // Reported only with --dedupe on.
+        tally::infra::metrics::DEDUPE_WINDOW_SECONDS,
     ];
     for &(name, _, _) in tally::infra::metrics::ALL {
         if per_partition.contains(&name) || tally::infra::metrics::SERVE_ONLY.contains(&name) {

@@ -46,6 +46,13 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
     // Events keep arriving until after the last restart, so every partition has batches to
     // apply once Redis is back.
     let producer = run.stream(w, CHUNK, Duration::from_millis(250));
+    // The restarts hit a running consumer: start-up stops at a store it cannot read (a
+    // supervisor restarts it), which is not what this test is about.
+    wait_for("tally's first batch", Duration::from_secs(60), || {
+        tally.assert_running();
+        let fences = read_fences(&mut redis.conn(), prefix, group, topic, PARTITIONS as usize);
+        fences.iter().any(Option::is_some).then_some(())
+    });
 
     for (round, cut) in CUTS.into_iter().enumerate() {
         thread::sleep(Duration::from_millis(rng.random_range(1000..2500)));

@@ -90,7 +90,7 @@ fn buf_breaking_notices_a_renumbered_field() {
     let module = dir.path().join("tally/v1");
     std::fs::create_dir_all(&module).unwrap();
     let source = std::fs::read_to_string(&proto).unwrap();
-    let renumbered = source.replace("event_time_ms = 4;", "event_time_ms = 5;");
+    let renumbered = source.replace("event_time_ms = 4;", "event_time_ms = 6;");
     assert_ne!(source, renumbered, "event_time_ms = 4 not found");
     std::fs::write(module.join("like_event.proto"), renumbered).unwrap();
     let out = Command::new("buf")

@@ -6,8 +6,9 @@
 //! for everything: counters, fences, origins, route hashes, the registry and
 //! the heat counters. Three small keys sit beside the generations:
 //!
-//! * the **pointer** `<prefix>:generation`, a hash `{current, switched_at_ms}`;
-//!   absent (or `current` 0) means generation 0;
+//! * the **pointer** `<prefix>:generation`, a hash `{current, switched_at_ms,
+//!   highest}`; absent (or `current` 0) means generation 0; `highest` is the
+//!   newest generation ever current (absent: `current`);
 //! * the **freeze flag** `<prefix>:freeze`, holding the generation about to
 //!   become current, with a TTL of a few seconds;
 //! * the **rebuild record** `<prefix>:rebuild`, a hash naming the unfinished
@@ -19,17 +20,27 @@
 //! readers resolve the pointer before touching counters, and nothing keyed by
 //! a generation ever names another one, so a generation's keys can be dropped
 //! as a whole ([`crate::ops::gc`]).
+//!
+//! A pointer that moved back (a failover that lost the switch, a hand edit)
+//! would split writers and readers: those running stay on the newer
+//! generation, those starting would follow the older one. So the switch
+//! records the generation in `highest` too, a running writer that sees the
+//! pointer behind the generation it writes records that generation there
+//! again (a failover that lost the switch lost `highest` with it, but not the
+//! writer's memory), and `current < highest` is [`Backwards`]: writers refuse
+//! to start on it, readers report it ([`Pointer::backwards`]).
 
 use std::time::Duration;
 
 use redis::RedisError;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{error, warn};
 
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
 use crate::infra::store::Shared;
+use crate::infra::{metrics, tasks};
 
 /// How long a freeze lasts unless the rebuild renews it.
 pub const FREEZE_TTL: Duration = Duration::from_secs(3);
@@ -87,6 +98,55 @@ pub struct Pointer {
     pub current: u64,
     /// When the pointer last moved (milliseconds since the epoch; 0 if never).
     pub switched_at_ms: i64,
+    /// The newest generation ever current, as far as the store and the
+    /// running writers know; at least `current`.
+    pub highest: u64,
+}
+
+impl Pointer {
+    fn from_fields(current: Option<u64>, at: Option<i64>, highest: Option<u64>) -> Self {
+        let current = current.unwrap_or(0);
+        Pointer {
+            current,
+            switched_at_ms: at.unwrap_or(0),
+            highest: highest.unwrap_or(0).max(current),
+        }
+    }
+
+    /// The pointer moved back under `base`: a writer must not start, a reader
+    /// reports it.
+    pub fn backwards(&self, base: &str) -> Option<Backwards> {
+        (self.highest > self.current).then(|| Backwards {
+            key: pointer_key(base),
+            current: self.current,
+            highest: self.highest,
+        })
+    }
+}
+
+/// The pointer names an older generation than one that was current before.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the generation pointer {key} names generation {current}, but generation {highest} was current before it (a Redis failover lost the switch, or the pointer was edited): consumers still running write generation {highest}, so starting on {current} would split the counts; set it forward with `HSET {key} current {highest}` (to go back to generation {current} on purpose, stop every consumer and `HSET {key} highest {current}`)"
+)]
+pub struct Backwards {
+    /// The pointer's key.
+    pub key: String,
+    /// The generation it names.
+    pub current: u64,
+    /// The newest generation that was current.
+    pub highest: u64,
+}
+
+/// Reports a pointer that moved back, as a reader sees it: a metric and an
+/// ERROR line with the remedy. Readers go on reading the generation it names.
+pub fn report_backwards(backwards: &Backwards) {
+    metrics::generation_backwards();
+    error!(
+        pointer = backwards.current,
+        highest = backwards.highest,
+        "{backwards}"
+    );
 }
 
 /// What a writer needs to know each refresh.
@@ -94,39 +154,73 @@ pub struct Pointer {
 pub struct State {
     /// The current generation.
     pub current: u64,
+    /// The newest generation ever current (see [`Pointer::highest`]).
+    pub highest: u64,
     /// A rebuild is about to make this generation current: hold new batches.
     pub frozen_for: Option<u64>,
+}
+
+impl State {
+    /// The pointer moved back under `base` (see [`Pointer::backwards`]).
+    pub fn backwards(&self, base: &str) -> Option<Backwards> {
+        Pointer {
+            current: self.current,
+            switched_at_ms: 0,
+            highest: self.highest,
+        }
+        .backwards(base)
+    }
 }
 
 /// Reads the pointer.
 pub async fn read_pointer(store: &Shared, base: &str) -> Result<Pointer, RedisError> {
     let key = pointer_key(base);
-    let (current, at): (Option<u64>, Option<i64>) = store
+    let (current, at, highest): (Option<u64>, Option<i64>, Option<u64>) = store
         .call(|mut s| async move {
             redis::cmd("HMGET")
                 .arg(&key)
                 .arg("current")
                 .arg("switched_at_ms")
+                .arg("highest")
                 .query_async(&mut s)
                 .await
         })
         .await?;
-    Ok(Pointer {
-        current: current.unwrap_or(0),
-        switched_at_ms: at.unwrap_or(0),
-    })
+    Ok(Pointer::from_fields(current, at, highest))
 }
 
 /// Reads the pointer synchronously (for the blocking commands).
 pub fn read_pointer_blocking(
     conn: &mut dyn redis::ConnectionLike,
     base: &str,
-) -> Result<u64, RedisError> {
-    let current: Option<u64> = redis::cmd("HGET")
+) -> Result<Pointer, RedisError> {
+    let (current, at, highest): (Option<u64>, Option<i64>, Option<u64>) = redis::cmd("HMGET")
         .arg(pointer_key(base))
         .arg("current")
+        .arg("switched_at_ms")
+        .arg("highest")
         .query(conn)?;
-    Ok(current.unwrap_or(0))
+    Ok(Pointer::from_fields(current, at, highest))
+}
+
+/// Records, for writers and readers started later, that generation `k` is
+/// the one running writers write while the pointer names an older one.
+/// Only raises `highest`; two writers racing here write the same `k`.
+pub async fn record_highest(store: &Shared, base: &str, k: u64) -> Result<(), RedisError> {
+    if read_pointer(store, base).await?.highest >= k {
+        return Ok(());
+    }
+    let key = pointer_key(base);
+    store
+        .call(|mut s| async move {
+            redis::cmd("HSET")
+                .arg(&key)
+                .arg("highest")
+                .arg(k)
+                .query_async::<()>(&mut s)
+                .await
+        })
+        .await
 }
 
 /// Reads the pointer and the freeze flag.
@@ -138,13 +232,18 @@ pub async fn read_state(store: &Shared, base: &str) -> Result<State, RedisError>
         .await?;
     Ok(State {
         current: pointer.current,
+        highest: pointer.highest,
         frozen_for: frozen.filter(|&k| k > pointer.current),
     })
 }
 
-/// The layout of the current generation, from a base layout.
+/// The layout of the current generation, from a base layout; a pointer
+/// that moved back is reported.
 pub async fn current_layout(store: &Shared, base: &KeyLayout) -> Result<KeyLayout, RedisError> {
     let pointer = read_pointer(store, base.prefix()).await?;
+    if let Some(backwards) = pointer.backwards(base.prefix()) {
+        report_backwards(&backwards);
+    }
     Ok(base.with_prefix(prefix_of(base.prefix(), pointer.current)))
 }
 
@@ -187,6 +286,8 @@ pub async fn switch(store: &Shared, base: &str, k: u64) -> Result<(), RedisError
                 .arg(k)
                 .arg("switched_at_ms")
                 .arg(now)
+                .arg("highest")
+                .arg(k)
                 .query_async::<()>(&mut s)
                 .await
         })
@@ -313,7 +414,7 @@ impl GenerationWatch {
     ) -> Result<Self, RedisError> {
         let first = read_state(&store, &base).await?;
         let (send, state) = watch::channel(first);
-        tokio::spawn(async move {
+        tasks::spawn("generation-follower", async move {
             let mut last = first;
             loop {
                 let pause = if last.frozen_for.is_some() {

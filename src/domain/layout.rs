@@ -27,6 +27,20 @@
 //! Data written before the record existed is adopted on the first start: the
 //! record is written from the flags of that start, which is logged; that
 //! start must name `--buckets`, since the count cannot be read from the data.
+//!
+//! # Its format
+//!
+//! The record's `format` says what the data under the prefix means, not only
+//! which fields the record has: any change of meaning bumps it, and a build
+//! refuses a record newer than it knows, in one line ([`LayoutError::Format`]),
+//! since it would read the data by rules it does not know. Format 1 described
+//! version 0's buckets alone; format 2 adds the epochs of the default layout
+//! (`tally rebucket`, the registry's `default` field), which every reader must
+//! sum: a build of format 1 would count only the first epoch. This build
+//! reads format 1 as format 2 (a prefix without epochs means the same under
+//! both) and raises the record to 2 on a writer's start and before an epoch
+//! is added ([`adopt_format`]), so a build that does not know epochs refuses
+//! the prefix instead of under-reading it.
 
 use redis::RedisError;
 
@@ -39,7 +53,9 @@ use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
 /// The format of the record this build writes and reads.
-pub const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
+/// The oldest format this build reads, and raises to [`FORMAT`].
+pub const OLDEST_FORMAT: u32 = 1;
 
 static WRITE_RECORD: Lua = Lua::new(concat!(
     include_str!("../infra/acl_check.lua"),
@@ -183,13 +199,20 @@ impl Record {
                 problem: format!("field {name} is not a number"),
             })
         };
-        let format = number("format")? as u32;
-        if format != FORMAT {
+        let format = number("format")?;
+        if format > i64::from(FORMAT) {
             return Err(LayoutError::Format {
                 key: key.to_string(),
-                found: format,
+                found: format.try_into().unwrap_or(u32::MAX),
             });
         }
+        if format < i64::from(OLDEST_FORMAT) {
+            return Err(LayoutError::Corrupt {
+                key: key.to_string(),
+                problem: format!("format {format} was never written"),
+            });
+        }
+        let format = format as u32;
         let buckets = number("buckets")?;
         let slot_groups = number("slot_groups")?;
         let damaged = |problem: &str| LayoutError::Corrupt {
@@ -238,9 +261,9 @@ pub enum LayoutError {
     /// The settings differ from it.
     #[error(transparent)]
     Mismatch(#[from] Mismatch),
-    /// It has a format this build does not know.
+    /// It has a format newer than this build knows.
     #[error(
-        "layout record {key} has format {found}; this tally reads format {FORMAT}: run a tally that knows it"
+        "layout record {key} has format {found}, newer than this tally knows (format {FORMAT}): a newer tally wrote data this one would misread; run a release that knows format {found}"
     )]
     Format {
         /// The record's key.
@@ -297,28 +320,72 @@ pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, L
     Record::from_fields(&key, &fields).map(Some)
 }
 
-/// Writes `proposed` as the record of `base` unless one exists; returns the
-/// record in force and whether this call wrote it.
+/// Writes `proposed` as the record of `base` unless one exists, and raises
+/// an existing record of an older format this build reads to [`FORMAT`];
+/// returns the record in force and whether this call wrote it.
 pub async fn ensure_record(
     store: &Shared,
     base: &str,
     proposed: &Record,
 ) -> Result<(Record, bool), LayoutError> {
+    let (record, outcome) = write_record(store, base, proposed).await?;
+    Ok((record, outcome == "1"))
+}
+
+/// Raises the record of `base` to [`FORMAT`] if `record`, just read, has an
+/// older format: before anything of the newer meaning (a default epoch) is
+/// written, so that a build of the older format refuses the prefix. One
+/// HSET (the commands need no script): only a build newer than this one
+/// could have raised it further in between.
+pub async fn adopt_format(store: &Shared, base: &str, record: &Record) -> Result<(), LayoutError> {
+    if record.format < FORMAT {
+        let key = record_key(base);
+        store
+            .call(|mut s| {
+                let key = key.clone();
+                async move {
+                    redis::cmd("HSET")
+                        .arg(&key)
+                        .arg("format")
+                        .arg(FORMAT)
+                        .query_async::<()>(&mut s)
+                        .await
+                }
+            })
+            .await?;
+        tracing::info!(%key, format = FORMAT, "Layout record raised to this build's format.");
+    }
+    Ok(())
+}
+
+/// Runs layout_record.lua: the record in force, and "1" (written), "2"
+/// (raised to `proposed`'s format) or "0".
+async fn write_record(
+    store: &Shared,
+    base: &str,
+    proposed: &Record,
+) -> Result<(Record, String), LayoutError> {
     let key = record_key(base);
-    let args: Vec<String> = proposed
-        .fields()
-        .into_iter()
-        .flat_map(|(f, v)| [f.to_string(), v])
+    let args: Vec<String> = std::iter::once(OLDEST_FORMAT.to_string())
+        .chain(
+            proposed
+                .fields()
+                .into_iter()
+                .flat_map(|(f, v)| [f.to_string(), v]),
+        )
         .collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reply: Vec<String> = WRITE_RECORD.call(store, &[&key], &args).await?;
-    let written = reply.first().is_some_and(|w| w == "1");
+    let outcome = reply.first().cloned().unwrap_or_default();
+    if outcome == "2" {
+        tracing::info!(%key, format = proposed.format, "Layout record raised to this build's format.");
+    }
     let fields: Vec<(String, String)> = reply[1.min(reply.len())..]
         .chunks(2)
         .filter(|pair| pair.len() == 2)
         .map(|pair| (pair[0].clone(), pair[1].clone()))
         .collect();
-    Ok((Record::from_fields(&key, &fields)?, written))
+    Ok((Record::from_fields(&key, &fields)?, outcome))
 }
 
 /// The default layout writers of the prefix use now: the current
@@ -543,6 +610,38 @@ mod tests {
             Record::from_fields("t:layout", &newer),
             Err(LayoutError::Format { found: 9, .. })
         ));
+        // The format before epochs reads as this one; format 0 was never written.
+        let with_format = |format: &str| -> Vec<(String, String)> {
+            fields
+                .iter()
+                .map(|(f, v)| {
+                    let v = if f == "format" {
+                        format.into()
+                    } else {
+                        v.clone()
+                    };
+                    (f.clone(), v)
+                })
+                .collect()
+        };
+        assert_eq!(
+            Record::from_fields("t:layout", &with_format("1")).unwrap(),
+            Record {
+                format: 1,
+                ..record()
+            }
+        );
+        assert!(matches!(
+            Record::from_fields("t:layout", &with_format("0")),
+            Err(LayoutError::Corrupt { .. })
+        ));
+        let line = Record::from_fields("t:layout", &with_format(&(FORMAT + 1).to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            line.contains("newer than this tally knows") && !line.contains('\n'),
+            "{line}"
+        );
         assert!(matches!(
             Record::from_fields("t:layout", &fields[1..]),
             Err(LayoutError::Corrupt { .. })

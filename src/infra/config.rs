@@ -809,6 +809,9 @@ pub struct RunSettings {
     /// The Schema Registry ids a framed value may carry; empty accepts any
     /// (see [`crate::pipeline::decode`]).
     pub schema_ids: Vec<u32>,
+    /// Which repeated records change no count, within how many offsets (see
+    /// [`crate::pipeline::dedupe`]).
+    pub dedupe: crate::pipeline::dedupe::DedupeSettings,
 }
 
 impl RunSettings {
@@ -873,6 +876,11 @@ impl RunSettings {
                 .all(|&id| (1..=MAX_SCHEMA_ID).contains(&id)),
             "schema-ids",
             "each id must be between 1 and 2147483647 (Schema Registry ids are positive 32-bit integers)",
+        );
+        check(
+            (1..=crate::pipeline::dedupe::MAX_WINDOW).contains(&self.dedupe.span),
+            "dedupe-window",
+            "must be between 1 and 100000000 offsets",
         );
         problems.extend(self.kafka.problems());
         problems

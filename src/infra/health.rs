@@ -197,7 +197,7 @@ pub fn spawn_probes(
         .create()
         .map(Arc::new)
         .map_err(|e| format!("cannot create a Kafka client: {e}"));
-    tokio::spawn(async move {
+    crate::infra::tasks::spawn("health-probes", async move {
         let mut store: Option<Store> = None;
         let mut every = tokio::time::interval(PROBE_EVERY);
         loop {

@@ -61,7 +61,7 @@ pub fn serve(
     router: Router,
     shutdown: CancellationToken,
 ) -> JoinHandle<std::io::Result<()>> {
-    tokio::spawn(async move {
+    crate::infra::tasks::spawn("http-listener", async move {
         axum::serve(listener, router)
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await
@@ -71,7 +71,7 @@ pub fn serve(
 /// Drains `metrics`' histograms into their buckets every few seconds until
 /// `shutdown`.
 pub fn spawn_upkeep(metrics: PrometheusHandle, shutdown: CancellationToken) -> JoinHandle<()> {
-    tokio::spawn(async move {
+    crate::infra::tasks::spawn("metrics-upkeep", async move {
         let mut every = tokio::time::interval(UPKEEP_EVERY);
         loop {
             tokio::select! {

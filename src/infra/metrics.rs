@@ -94,6 +94,18 @@ pub const REGISTRY_STEPS: [&str; 3] = ["reserve", "publish", "rebucket"];
 /// (`retention`: deleted before tally applied them).
 pub const OFFSETS_SKIPPED: &str = "tally_offsets_skipped_total";
 
+/// Owned partitions stopped because their fence lies beyond the end of
+/// their log (a topic recreated or replaced while tally ran).
+pub const FENCE_AHEAD: &str = "tally_fence_ahead_partitions";
+
+/// Records skipped as repeats of a like (see [`crate::pipeline::dedupe`]),
+/// by `reason`: `event_id` or `repeat_action`.
+pub const DUPLICATES_SKIPPED: &str = "tally_duplicates_skipped_total";
+/// Per partition, the seconds of record time the dedupe window covers.
+pub const DEDUPE_WINDOW_SECONDS: &str = "tally_dedupe_window_seconds";
+/// Events the dedupe windows of this consumer remember, over its partitions.
+pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
+
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
 /// Events stamped ahead of what the registry view covers, routed without
@@ -217,7 +229,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         CONSUMER_LAG_SECONDS,
         Kind::Gauge,
-        "Seconds between now and the newest applied event's Kafka timestamp while newer events wait (0 when caught up), by partition.",
+        "Age of the oldest message fetched and not yet applied, from its Kafka timestamp (0 when none waits), by partition.",
     ),
     (
         REGISTRY_UNREPLICATED,
@@ -248,6 +260,26 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         OFFSETS_SKIPPED,
         Kind::Counter,
         "Offsets never applied because they left the log first, by reason (retention: deleted before tally applied them).",
+    ),
+    (
+        FENCE_AHEAD,
+        Kind::Gauge,
+        "Owned partitions stopped because their fence lies beyond the end of their log (topic recreated or replaced while tally ran); the others go on.",
+    ),
+    (
+        DUPLICATES_SKIPPED,
+        Kind::Counter,
+        "Records that changed no count because they repeat a like within the dedupe window, by reason (event_id: an earlier record carries its event id; repeat_action: an id-less like after a like, or unlike after an unlike, of the same user and post).",
+    ),
+    (
+        DEDUPE_WINDOW_SECONDS,
+        Kind::Gauge,
+        "Per partition, the seconds of record time between the oldest event the dedupe window remembers and the newest record: how far apart two records may be and still be found as duplicates now.",
+    ),
+    (
+        DEDUPE_REMEMBERED,
+        Kind::Gauge,
+        "Events the dedupe windows of this consumer remember, over its partitions (at most --dedupe-window per partition).",
     ),
     (
         ROUTED_POSTS,
@@ -316,7 +348,12 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(REGISTRY_UNREPLICATED, "step" => step).absolute(0);
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
+    for reason in crate::pipeline::dedupe::Skip::ALL {
+        counter!(DUPLICATES_SKIPPED, "reason" => reason.as_str()).absolute(0);
+    }
+    gauge!(DEDUPE_REMEMBERED).set(0.0);
     gauge!(ROUTED_POSTS).set(0.0);
+    gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(READY).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
@@ -325,6 +362,21 @@ pub fn describe(bad_reasons: &[&'static str]) {
 /// Records a bad message.
 pub fn bad_message(reason: &'static str) {
     counter!(BAD_MESSAGES, "reason" => reason).increment(1);
+}
+
+/// Records records skipped as repeats of a like, by reason.
+pub fn duplicates_skipped(reason: &'static str, records: u64) {
+    counter!(DUPLICATES_SKIPPED, "reason" => reason).increment(records);
+}
+
+/// Records the time a partition's dedupe window covers.
+pub fn dedupe_window(partition: i32, seconds: f64) {
+    gauge!(DEDUPE_WINDOW_SECONDS, "partition" => partition.to_string()).set(seconds);
+}
+
+/// Records how many events the dedupe windows remember.
+pub fn dedupe_remembered(events: usize) {
+    gauge!(DEDUPE_REMEMBERED).set(events as f64);
 }
 
 /// Records a dead-lettered message.
@@ -363,6 +415,11 @@ pub fn script_refused() {
 /// Records offsets that left the log before they were applied.
 pub fn offsets_skipped(reason: &'static str, offsets: u64) {
     counter!(OFFSETS_SKIPPED, "reason" => reason).increment(offsets);
+}
+
+/// Records how many owned partitions are stopped with their fence ahead of their log.
+pub fn fence_ahead(partitions: usize) {
+    gauge!(FENCE_AHEAD).set(partitions as f64);
 }
 
 /// Records how far ahead of the registry clock routing is final.

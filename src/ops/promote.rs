@@ -146,6 +146,9 @@ pub async fn rebucket(
             rebuild.generation
         )));
     }
+    // Epochs are format 2's: a build of format 1 must refuse the prefix
+    // before it holds one.
+    layout::adopt_format(&opened.store, settings.prefix(), &record).await?;
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
     let routes = Routes::new(opened.store, keys, record.buckets).with_wait(wait);
     let from_buckets = routes.fetch().await?.defaults().latest().buckets;

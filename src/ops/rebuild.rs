@@ -340,7 +340,10 @@ pub async fn rebuild(
     let beating = stop.child_token();
     let _beat = beating.clone().drop_guard();
     spawn_heartbeat(store.clone(), prefix.to_string(), beating);
-    let mut pipeline = tokio::spawn(run_with(rebuild_settings(&settings), mode, stop.clone()));
+    let mut pipeline = crate::infra::tasks::spawn(
+        "rebuild-pipeline",
+        run_with(rebuild_settings(&settings), mode, stop.clone()),
+    );
     let outcome = cut_over.run(&mut pipeline, &shutdown, progress).await;
     if !pipeline.is_finished() || outcome.is_ok() {
         stop.cancel();
@@ -361,7 +364,7 @@ pub async fn rebuild(
 /// Says in the rebuild record that this rebuild runs, until `stop`:
 /// `tally rebuild --abort` is refused meanwhile.
 fn spawn_heartbeat(store: Shared, base: String, stop: CancellationToken) {
-    tokio::spawn(async move {
+    crate::infra::tasks::spawn("rebuild-heartbeat", async move {
         let mut every = tokio::time::interval(generation::HEARTBEAT_EVERY);
         loop {
             tokio::select! {
@@ -380,7 +383,12 @@ fn spawn_heartbeat(store: Shared, base: String, stop: CancellationToken) {
 /// once; returns (the current generation, the one being rebuilt).
 async fn prepare(opened: &OpenStore, prefix: &str) -> Result<(u64, u64), OpError> {
     let store = &opened.store;
-    let current = generation::read_pointer(store, prefix).await?.current;
+    let pointer = generation::read_pointer(store, prefix).await?;
+    // The next generation after a pointer that moved back holds live counts.
+    if let Some(backwards) = pointer.backwards(prefix) {
+        return Err(OpError::Refused(backwards.to_string()));
+    }
+    let current = pointer.current;
     let record = begin(store, prefix, current).await?;
     let k = record.generation;
     if !record.copied {

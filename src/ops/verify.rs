@@ -7,6 +7,9 @@
 //! verify` reads every (selected) partition from its origin to its fence in
 //! the current generation, sums per post, reads the counts through
 //! [`crate::read::Reader`], and reports every post where the two differ.
+//! With `--dedupe`, each partition is walked from its origin through the
+//! same window `tally run` decides repeats by (see
+//! [`crate::pipeline::dedupe`]), so a skipped repeat is skipped here too.
 //!
 //! With live traffic the fences move while verify reads. Stop (or pause) the
 //! live group for an exact answer in one pass; otherwise verify recounts up
@@ -18,13 +21,21 @@
 //! `--partitions` narrows the recount; it only gives a meaningful answer
 //! when the posts checked have all their events in those partitions (keyed
 //! by post), since a count sums every partition.
+//!
+//! Retention deletes the oldest offsets of every long-lived topic, and the
+//! counts keep their events. A partition whose origin lies below the log's
+//! start is recounted from the start, and the offsets before it are reported
+//! as [`Report::gone`]: what was counted from them cannot be checked, so the
+//! differences found may be theirs. Offsets deleted while verify reads are
+//! found the same way (the recount's consumer never resets on its own).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::Message;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaErrorCode;
 use rustc_hash::FxHashMap;
 
 use crate::domain::placement::scan;
@@ -35,6 +46,7 @@ use crate::ops::{OpError, open_applier};
 use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::check_topic;
 use crate::pipeline::decode::Decoder;
+use crate::pipeline::dedupe::{DedupeSettings, Window};
 use crate::read::{Count, Reader};
 
 /// What to verify, besides the settings shared with `tally run`.
@@ -74,6 +86,21 @@ pub struct Report {
     pub partitions: usize,
     /// Posts that differ, the largest difference first.
     pub drift: Vec<Drift>,
+    /// Offsets up to the fences that the log no longer holds (retention
+    /// deleted them), by partition and offset: the counts hold their events,
+    /// and no recount can check them.
+    pub gone: Vec<Gone>,
+}
+
+/// Offsets `from..=to` of a partition, counted and deleted from the log since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gone {
+    /// The partition.
+    pub partition: i32,
+    /// First offset gone.
+    pub from: i64,
+    /// Last offset gone.
+    pub to: i64,
 }
 
 /// The in-memory recount: positions reached and sums per post.
@@ -87,28 +114,57 @@ struct Recount {
     events: u64,
     /// The rules `tally run` counts by.
     decoder: Decoder,
+    /// Per partition, the dedupe window `tally run` decides repeats by,
+    /// walked from the origin like the first owner's.
+    dedupe: DedupeSettings,
+    windows: HashMap<i32, Window>,
+    /// Ranges the log no longer held when the recount reached them.
+    gone: BTreeMap<i32, Vec<(i64, i64)>>,
 }
 
 impl Recount {
-    /// Reads every partition on from where it stands up to `fences` (inclusive).
-    fn extend(&mut self, fences: &HashMap<i32, i64>) -> Result<(), OpError> {
-        let behind: Vec<(i32, i64)> = fences
-            .iter()
-            .filter(|&(p, &f)| self.next.get(p).is_some_and(|&n| n <= f))
-            .map(|(&p, &f)| (p, f))
-            .collect();
-        if behind.is_empty() {
-            return Ok(());
+    /// Moves `partition`'s position to the log's start when retention
+    /// deleted the offsets before it, and records them as gone.
+    fn skip_deleted(&mut self, partition: i32) -> Result<(), OpError> {
+        let (low, _) = self
+            .consumer
+            .fetch_watermarks(&self.topic, partition, Duration::from_secs(10))
+            .map_err(OpError::kafka("reading the partition's watermarks"))?;
+        let next = self.next[&partition];
+        if next < low {
+            let ranges = self.gone.entry(partition).or_default();
+            match ranges.last_mut() {
+                Some((_, to)) if *to + 1 == next => *to = low - 1,
+                _ => ranges.push((next, low - 1)),
+            }
+            self.next.insert(partition, low);
         }
+        Ok(())
+    }
+
+    /// Assigns `waiting`'s partitions at their positions.
+    fn assign(&self, waiting: &HashMap<i32, i64>) -> Result<(), OpError> {
         let mut tpl = TopicPartitionList::new();
-        for &(p, _) in &behind {
+        for &p in waiting.keys() {
             tpl.add_partition_offset(&self.topic, p, Offset::Offset(self.next[&p]))
                 .map_err(OpError::kafka("positioning the recount"))?;
         }
         self.consumer
             .assign(&tpl)
-            .map_err(OpError::kafka("assigning the recount's partitions"))?;
-        let mut waiting: HashMap<i32, i64> = behind.into_iter().collect();
+            .map_err(OpError::kafka("assigning the recount's partitions"))
+    }
+
+    /// Reads every partition on from where it stands up to `fences` (inclusive).
+    fn extend(&mut self, fences: &HashMap<i32, i64>) -> Result<(), OpError> {
+        let mut waiting: HashMap<i32, i64> = fences
+            .iter()
+            .filter(|&(p, &f)| self.next.get(p).is_some_and(|&n| n <= f))
+            .map(|(&p, &f)| (p, f))
+            .collect();
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        self.assign(&waiting)?;
         let mut heard = Instant::now();
         while !waiting.is_empty() {
             let Some(polled) = self.consumer.poll(Duration::from_millis(200)) else {
@@ -119,6 +175,25 @@ impl Recount {
                 }
                 continue;
             };
+            // A position retention deleted meanwhile: librdkafka names no
+            // partition, so every waiting one is placed in its log again.
+            if let Err(error) = &polled
+                && error.rdkafka_error_code() == Some(RDKafkaErrorCode::AutoOffsetReset)
+            {
+                let before: Vec<i64> = waiting.keys().map(|p| self.next[p]).collect();
+                for p in waiting.keys().copied().collect::<Vec<_>>() {
+                    self.skip_deleted(p)?;
+                }
+                if waiting.keys().map(|p| self.next[p]).eq(before) {
+                    return Err(OpError::Refused(format!(
+                        "the brokers reset a position of the recount ({error}) that their log start does not explain; verify again"
+                    )));
+                }
+                waiting.retain(|p, up_to| self.next[p] <= *up_to);
+                self.assign(&waiting)?;
+                heard = Instant::now();
+                continue;
+            }
             let message = polled.map_err(OpError::kafka("reading the topic"))?;
             heard = Instant::now();
             let (p, offset) = (message.partition(), message.offset());
@@ -131,7 +206,12 @@ impl Recount {
             if offset <= up_to {
                 self.events += 1;
                 let timestamp = message.timestamp().to_millis().unwrap_or(0);
-                if let Ok(like) = self.decoder.event(message.payload(), timestamp)
+                let window = self
+                    .windows
+                    .entry(p)
+                    .or_insert_with(|| Window::new(self.dedupe, None));
+                if let Ok((like, id)) = self.decoder.identified(message.payload(), timestamp)
+                    && window.observe(offset, timestamp, &like, id).is_none()
                     && self.only.as_ref().is_none_or(|o| o.contains(&like.post_id))
                 {
                     *self.sums.entry(like.post_id).or_insert(0) += like.delta;
@@ -185,6 +265,9 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         .secure_client_config()
         .set("enable.partition.eof", "false")
         .set("enable.auto.commit", "false")
+        // A position retention deleted is an error to report, never a jump
+        // to either end of the log.
+        .set("auto.offset.reset", "error")
         // Never joins the group nor commits; librdkafka wants a name to assign.
         .set("group.id", format!("{}-verify", kafka.group))
         .create()
@@ -204,11 +287,15 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         only,
         events: 0,
         decoder: Decoder::new(&settings.schema_ids),
+        dedupe: settings.dedupe,
+        windows: HashMap::new(),
+        gone: BTreeMap::new(),
     };
     let rounds = options.rounds.max(1);
-    let settled = settle(&mut recount, &applier, &reader, (current, &layout), &partitions, rounds)
-        .await?
-        .ok_or_else(|| {
+    let (settled, fences) =
+        settle(&mut recount, &applier, &reader, (current, &layout), &partitions, rounds)
+            .await?
+            .ok_or_else(|| {
             OpError::Refused(format!(
                 "the fences kept moving over {rounds} rounds; pause the live group (or stop it) and verify again"
             ))
@@ -230,12 +317,31 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         events: recount.events,
         partitions: partitions.len(),
         drift,
+        gone: gone_up_to(&recount.gone, &fences),
     })
 }
 
+/// The ranges gone from the log, cut at each partition's fence (offsets
+/// past it hold nothing the counts have).
+fn gone_up_to(gone: &BTreeMap<i32, Vec<(i64, i64)>>, fences: &HashMap<i32, i64>) -> Vec<Gone> {
+    gone.iter()
+        .flat_map(|(&partition, ranges)| {
+            let fence = fences.get(&partition).copied().unwrap_or(-1);
+            ranges
+                .iter()
+                .filter(move |&&(from, _)| from <= fence)
+                .map(move |&(from, to)| Gone {
+                    partition,
+                    from,
+                    to: to.min(fence),
+                })
+        })
+        .collect()
+}
+
 /// Extends the recount to the fences and reads the counts, until the fences
-/// read before and after the counts agree; `None` when they kept moving for
-/// `rounds` rounds.
+/// read before and after the counts agree; returns the counts and those
+/// fences, or `None` when they kept moving for `rounds` rounds.
 async fn settle(
     recount: &mut Recount,
     applier: &Applier,
@@ -243,7 +349,7 @@ async fn settle(
     (current, layout): (u64, &KeyLayout),
     partitions: &[i32],
     rounds: u32,
-) -> Result<Option<Vec<Count>>, OpError> {
+) -> Result<Option<(Vec<Count>, HashMap<i32, i64>)>, OpError> {
     let mut before = fences(applier, partitions).await?;
     for _ in 0..rounds {
         let Ok(read) = before.clone() else {
@@ -251,11 +357,16 @@ async fn settle(
             before = fences(applier, partitions).await?;
             continue;
         };
-        for (&p, &(origin, _)) in &read {
-            recount.next.entry(p).or_insert(origin);
-        }
         let up_to: HashMap<i32, i64> = read.iter().map(|(&p, &(_, f))| (p, f)).collect();
-        tokio::task::block_in_place(|| recount.extend(&up_to))?;
+        tokio::task::block_in_place(|| {
+            for (&p, &(origin, fence)) in &read {
+                recount.next.entry(p).or_insert(origin);
+                if recount.next[&p] <= fence {
+                    recount.skip_deleted(p)?;
+                }
+            }
+            recount.extend(&up_to)
+        })?;
         let posts: Vec<u64> = match &recount.only {
             Some(only) => only.iter().copied().collect(),
             None => {
@@ -272,7 +383,7 @@ async fn settle(
             ));
         }
         if after.as_ref().ok() == Some(&read) {
-            return Ok(Some(counts));
+            return Ok(Some((counts, up_to)));
         }
         before = after;
     }

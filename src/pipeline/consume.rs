@@ -35,6 +35,7 @@ use crate::infra::security::{
     KafkaAcl, KafkaRefusal, kafka_denied, kafka_refusal, kafka_refusal_in_log,
 };
 use crate::pipeline::apply::FenceReader;
+use crate::pipeline::guard::{self, LogFit};
 
 /// A partition handed to this consumer, with the fences found for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +44,9 @@ pub struct Assignment {
     pub partition: i32,
     /// Origin and slot-group fences read from Redis; `None` when unreadable.
     pub fences: Option<PartitionFences>,
+    /// Where the fences' resume offset lies in the partition's log, when
+    /// both could be read.
+    pub log: Option<LogFit>,
 }
 
 /// A change of ownership, queued by the rebalance callback for the main loop.
@@ -168,6 +172,11 @@ impl TallyContext {
         let fences = self.read_fences(&partitions);
         let mut assignments = Vec::with_capacity(partitions.len());
         let mut resume = Vec::with_capacity(partitions.len());
+        // The log may have changed since the fences were written (topic
+        // recreated, retention): each resume offset is placed in its log
+        // before anything is fetched. A broker that does not answer in time
+        // leaves the rest to the check of fetched offsets.
+        let mut watermarks = true;
         for (i, &partition) in partitions.iter().enumerate() {
             let found = fences.as_ref().map(|f| f[i].clone());
             let offset = found.as_ref().and_then(PartitionFences::resume_from);
@@ -176,6 +185,14 @@ impl TallyContext {
             {
                 error!(partition, %error, "Cannot position partition at its fence.");
             }
+            let log = match offset {
+                Some(Offset::Offset(o)) if watermarks => {
+                    let marks = guard::watermarks(consumer, &self.topic, partition, LOG_TIMEOUT);
+                    watermarks = marks.is_some();
+                    marks.map(|(low, high)| guard::fit(o, low, high))
+                }
+                _ => None,
+            };
             resume.push(match (offset, &found) {
                 (Some(Offset::Offset(o)), _) => format!("{partition}@{o}"),
                 (Some(_), _) => format!("{partition}@beginning(origin lost)"),
@@ -185,9 +202,20 @@ impl TallyContext {
             assignments.push(Assignment {
                 partition,
                 fences: found,
+                log,
             });
         }
         info!(partitions = %resume.join(" "), "Partitions assigned.");
+        let mut ahead = TopicPartitionList::new();
+        let mut fit = TopicPartitionList::new();
+        for a in &assignments {
+            let list = if matches!(a.log, Some(LogFit::Ahead { .. })) {
+                &mut ahead
+            } else {
+                &mut fit
+            };
+            list.add_partition(&self.topic, a.partition);
+        }
         self.push(Rebalanced::Assigned(assignments));
         let result = if self.cooperative {
             consumer.incremental_assign(tpl)
@@ -196,6 +224,18 @@ impl TallyContext {
         };
         if let Err(error) = result {
             error!(%error, "Assigning partitions failed.");
+        }
+        // A partition whose fence is ahead of its log is owned but not
+        // fetched; one stopped by an earlier ownership fetches again.
+        if ahead.count() > 0
+            && let Err(error) = consumer.pause(&ahead)
+        {
+            warn!(%error, "Cannot pause the partitions whose fence is ahead of the log.");
+        }
+        if fit.count() > 0
+            && let Err(error) = consumer.resume(&fit)
+        {
+            debug!(%error, "Cannot resume the assigned partitions.");
         }
     }
 
@@ -319,6 +359,9 @@ impl ConsumerContext for TallyContext {
         }
     }
 }
+
+/// How long an assignment waits for one partition's watermarks.
+const LOG_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The consumer type tally runs.
 pub type LikeConsumer = StreamConsumer<TallyContext>;

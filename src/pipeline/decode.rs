@@ -3,7 +3,8 @@
 //! Invariant: decoding is deterministic. The same bytes always give the same
 //! verdict, so a bad message is bad forever: redelivery cannot fix it, and the
 //! caller may count it, dead-letter it and move on without stalling the partition.
-//! Decoding allocates nothing: `LikeEvent` has only scalar fields.
+//! Decoding allocates only for an event id, which is hashed at once into an
+//! [`EventId`] so that what follows stays of fixed size.
 //!
 //! # Two forms of a value
 //! - Plain protobuf: the bytes of one `LikeEvent`.
@@ -39,6 +40,30 @@ pub struct Like {
     pub user_id: u64,
     /// +1 for a like, -1 for an unlike.
     pub delta: i64,
+}
+
+/// A record's `event_id`, hashed (XXH3-128 of its bytes): what the dedupe
+/// window compares (see [`crate::pipeline::dedupe`]). An empty id is none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventId(pub u128);
+
+impl EventId {
+    /// The id of `bytes`.
+    pub fn of(bytes: &[u8]) -> EventId {
+        EventId(xxhash_rust::xxh3::xxh3_128(bytes))
+    }
+
+    /// The id bound to the event it names: one id with another post, user or
+    /// action names another event, so a producer that reuses ids across
+    /// events loses none of them.
+    pub fn keyed(self, like: &Like) -> u128 {
+        let mut bytes = [0u8; 33];
+        bytes[..16].copy_from_slice(&self.0.to_le_bytes());
+        bytes[16..24].copy_from_slice(&like.post_id.to_le_bytes());
+        bytes[24..32].copy_from_slice(&like.user_id.to_le_bytes());
+        bytes[32] = (like.delta > 0) as u8;
+        xxhash_rust::xxh3::xxh3_128(&bytes)
+    }
 }
 
 /// Why a message was rejected. Each reason is a metric label and a
@@ -149,19 +174,34 @@ impl Decoder {
     /// it is routed by. What `tally run` counts and what `tally verify`
     /// recounts, by the same rules.
     pub fn event(&self, payload: Option<&[u8]>, timestamp_ms: i64) -> Result<Like, BadReason> {
-        let like = self.decode(payload)?;
+        self.identified(payload, timestamp_ms).map(|(like, _)| like)
+    }
+
+    /// [`Decoder::event`], with the event's id when it carries one.
+    pub fn identified(
+        &self,
+        payload: Option<&[u8]>,
+        timestamp_ms: i64,
+    ) -> Result<(Like, Option<EventId>), BadReason> {
+        let event = self.decode_event(payload)?;
         check_timestamp(timestamp_ms)?;
-        Ok(like)
+        Ok(event)
     }
 
     /// Decodes and validates one message value.
     pub fn decode(&self, payload: Option<&[u8]>) -> Result<Like, BadReason> {
+        self.decode_event(payload).map(|(like, _)| like)
+    }
+
+    fn decode_event(&self, payload: Option<&[u8]>) -> Result<(Like, Option<EventId>), BadReason> {
         let bytes = payload.ok_or(BadReason::Empty)?;
         let protobuf = match bytes.split_first() {
             Some((&MAGIC_BYTE, framed)) => self.unframe(framed)?,
             _ => bytes,
         };
-        validate(LikeEvent::decode(protobuf).map_err(|_| BadReason::Undecodable)?)
+        let event = LikeEvent::decode(protobuf).map_err(|_| BadReason::Undecodable)?;
+        let id = (!event.event_id.is_empty()).then(|| EventId::of(event.event_id.as_bytes()));
+        Ok((validate(event)?, id))
     }
 
     /// The protobuf after the magic byte, the schema id and the message-index
@@ -227,6 +267,7 @@ pub fn encode(post_id: u64, user_id: u64, action: Action, event_time_ms: i64) ->
         user_id,
         action: action as i32,
         event_time_ms,
+        event_id: String::new(),
     }
     .encode_to_vec()
 }
@@ -280,11 +321,33 @@ mod tests {
             user_id: 1,
             action: 9,
             event_time_ms: 0,
+            event_id: String::new(),
         };
         assert_eq!(
             decode(Some(&unknown.encode_to_vec())),
             Err(BadReason::ActionUnknown)
         );
+    }
+
+    #[test]
+    fn an_event_id_is_read_when_present_and_changes_nothing_else() {
+        let with_id = LikeEvent {
+            post_id: 7,
+            user_id: 9,
+            action: Action::Like as i32,
+            event_time_ms: 1,
+            event_id: "outbox-42".to_string(),
+        }
+        .encode_to_vec();
+        let plain = encode(7, 9, Action::Like, 1);
+        let d = Decoder::ANY_SCHEMA;
+        let (like, id) = d.identified(Some(&with_id), 1).unwrap();
+        assert_eq!(Ok(like), d.event(Some(&plain), 1));
+        assert_eq!(id, Some(EventId::of(b"outbox-42")));
+        assert_eq!(d.identified(Some(&plain), 1).unwrap().1, None);
+        // Framed values carry it too.
+        let framed = [&[0u8, 0, 0, 0, 12, 0][..], &with_id].concat();
+        assert_eq!(d.identified(Some(&framed), 1).unwrap().1, id);
     }
 
     #[test]

@@ -19,17 +19,23 @@
 //! process before anything is written, with one line naming the fix; the
 //! last is logged with the range lost and counted in
 //! `tally_offsets_skipped_total{reason="retention"}`.
+//!
+//! The log can change under a running consumer too, so the last two are
+//! checked again at every assignment (see `consume`), and a fetched offset
+//! below the fence is checked against the log (see `run`): a fence ahead of
+//! its log found while running stops that partition only, with an ERROR
+//! line and `tally_fence_ahead_partitions`; the other partitions go on.
 
 use std::time::Duration;
 
 use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use redis::RedisError;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::domain::placement::scan_nodes;
 use crate::infra::security::redact_url;
-use crate::infra::store::{Target, connect_blocking};
+use crate::infra::store::{Server, Target, connect_blocking};
 
 /// How long a watermark or committed-offset query may take.
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,6 +52,16 @@ pub enum GuardError {
         node: String,
         /// Its policy.
         policy: String,
+    },
+    /// The store's server lacks what tally's scripts call.
+    #[error(
+        "Redis at {node} is {server}: tally's scripts check their commands against the caller's ACL before writing (redis.acl_check_cmd), which needs Redis 7.0 or later; upgrade it to Redis 7.0 or later, or to Valkey"
+    )]
+    OldServer {
+        /// The node.
+        node: String,
+        /// What it runs, e.g. `Redis 6.2.14`.
+        server: String,
     },
     /// The store holds nothing while the group says it counted.
     #[error(
@@ -90,14 +106,17 @@ pub enum LogFit {
         to: i64,
     },
     /// Beyond the high watermark: the fence is ahead of the log.
-    Ahead,
+    Ahead {
+        /// The high watermark (the next offset the log will write).
+        high: i64,
+    },
 }
 
 /// Where `resume` (the next offset to apply) lies in a log spanning
 /// `low..high` (high: the next offset to be written).
 pub fn fit(resume: i64, low: i64, high: i64) -> LogFit {
     if resume > high {
-        LogFit::Ahead
+        LogFit::Ahead { high }
     } else if resume < low {
         LogFit::Trimmed {
             from: resume,
@@ -109,42 +128,137 @@ pub fn fit(resume: i64, low: i64, high: i64) -> LogFit {
 }
 
 /// Checks a partition's resume offset against its log (at start, before the
-/// consumer fetches anything; see `run`): refuses
-/// a fence ahead of it, reports offsets retention deleted. A log whose
-/// watermarks cannot be read is logged and passed (the next assignment
-/// checks again).
+/// consumer fetches anything; see `run`): refuses a fence ahead of it.
+/// Offsets retention deleted are reported by the assignment that follows
+/// (see [`report_trimmed`]), once per ownership. A log whose watermarks
+/// cannot be read is passed: the assignment checks again.
 pub fn check_log<C: Consumer<X>, X: ConsumerContext>(
     consumer: &C,
     topic: &str,
     partition: i32,
     resume: i64,
 ) -> Result<(), GuardError> {
-    let (low, high) = match consumer.fetch_watermarks(topic, partition, KAFKA_TIMEOUT) {
-        Ok(marks) => marks,
-        Err(error) => {
-            warn!(partition, %error, "Cannot read the partition's watermarks; its fence is not checked against the log.");
-            return Ok(());
-        }
+    let Some((low, high)) = watermarks(consumer, topic, partition, KAFKA_TIMEOUT) else {
+        return Ok(());
     };
     match fit(resume, low, high) {
-        LogFit::Fits => Ok(()),
-        LogFit::Trimmed { from, to } => {
-            warn!(
-                partition,
-                from,
-                to,
-                "Offsets deleted by retention before tally applied them: their events are not counted."
-            );
-            crate::infra::metrics::offsets_skipped("retention", (to - from + 1) as u64);
-            Ok(())
-        }
-        LogFit::Ahead => Err(GuardError::FenceAhead {
+        LogFit::Fits | LogFit::Trimmed { .. } => Ok(()),
+        LogFit::Ahead { .. } => Err(GuardError::FenceAhead {
             topic: topic.to_string(),
             partition,
             fence: resume - 1,
             high,
         }),
     }
+}
+
+/// A partition's low and high watermarks as the brokers give them now
+/// (under read_committed the high one is the last stable offset); `None`,
+/// logged, when they cannot be read within `timeout`.
+pub fn watermarks<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    topic: &str,
+    partition: i32,
+    timeout: Duration,
+) -> Option<(i64, i64)> {
+    match consumer.fetch_watermarks(topic, partition, timeout) {
+        Ok(marks) => Some(marks),
+        Err(error) => {
+            warn!(partition, %error, "Cannot read the partition's watermarks; its fence is not checked against the log this time.");
+            None
+        }
+    }
+}
+
+/// Reports offsets `from..=to` of `partition` that retention deleted before
+/// tally applied them: their events can no longer be counted.
+pub fn report_trimmed(partition: i32, from: i64, to: i64) {
+    warn!(
+        partition,
+        from,
+        to,
+        "Offsets deleted by retention before tally applied them: their events are not counted."
+    );
+    crate::infra::metrics::offsets_skipped("retention", (to - from + 1) as u64);
+}
+
+/// Reports a partition stopped because its fence lies beyond its log's end
+/// (`high`: the next offset the log will write).
+pub fn report_fence_ahead(partition: i32, fence: i64, high: i64) {
+    tracing::error!(
+        partition,
+        fence,
+        high,
+        "The partition's log ends before its fence: the log is not the one these counts were made from (topic recreated, moved, or a broker that came back empty). This partition is stopped; the others go on. Stop tally, then run `tally reset-fences` (and `tally rebuild` if the log holds the old events again)."
+    );
+}
+
+/// Reads the server and version of every primary and refuses one older than
+/// tally's scripts need. Where `INFO server` cannot be read, says what tally
+/// requires and goes on. Returns each distinct server with a node running
+/// it, for [`report_servers`]: a refusal stays the only line a refused start
+/// prints, so the servers are named once every guard passed.
+pub fn check_server(target: &Target) -> Result<Vec<(Server, String)>, GuardError> {
+    let nodes = match scan_nodes(target) {
+        Ok(nodes) => nodes,
+        Err(error) => {
+            server_unchecked(&shown(target), &error.to_string());
+            return Ok(Vec::new());
+        }
+    };
+    let mut seen: Vec<(Server, String)> = Vec::new();
+    for node in nodes {
+        let name = shown(&node);
+        let info = connect_blocking(&node, Duration::from_secs(5)).and_then(|mut conn| {
+            redis::cmd("INFO")
+                .arg("server")
+                .query::<String>(conn.as_mut())
+        });
+        let server = match info.as_deref().map(Server::from_info) {
+            Ok(Some(server)) => server,
+            Ok(None) => {
+                server_unchecked(&name, "INFO server names no redis_version");
+                continue;
+            }
+            Err(error) => {
+                server_unchecked(&name, &error.to_string());
+                continue;
+            }
+        };
+        if !server.supported() {
+            return Err(GuardError::OldServer {
+                node: name,
+                server: server.to_string(),
+            });
+        }
+        if !seen.iter().any(|(s, _)| *s == server) {
+            seen.push((server, name));
+        }
+    }
+    Ok(seen)
+}
+
+/// Logs the servers [`check_server`] found: the first line the start-up
+/// guards log once they all passed.
+pub fn report_servers(servers: &[(Server, String)]) {
+    for (server, node) in servers {
+        let (major, minor, patch) = server.redis_version;
+        info!(
+            store = server.kind,
+            version = %server.version,
+            redis_version = %format_args!("{major}.{minor}.{patch}"),
+            %node,
+            "Start-up checks passed."
+        );
+    }
+}
+
+fn server_unchecked(node: &str, error: &str) {
+    warn!(
+        %node,
+        %error,
+        "Cannot read the store's version: tally requires Redis 7.0 or later, or Valkey."
+    );
 }
 
 /// Refuses a store whose eviction policy may drop tally's keys, on every
@@ -214,9 +328,7 @@ pub fn committed<C: Consumer<X>, X: ConsumerContext>(
     let found = loop {
         match consumer.committed_offsets(tpl.clone(), KAFKA_TIMEOUT) {
             Ok(found) => break found,
-            Err(error)
-                if coordinator_not_ready(&error) && std::time::Instant::now() < deadline =>
-            {
+            Err(error) if coordinator_not_ready(&error) && std::time::Instant::now() < deadline => {
                 warn!(%error, "The group coordinator is not ready; asking again.");
                 std::thread::sleep(Duration::from_millis(500));
             }
@@ -242,7 +354,9 @@ fn coordinator_not_ready(error: &rdkafka::error::KafkaError) -> bool {
     use rdkafka::types::RDKafkaErrorCode as Code;
     matches!(
         error.rdkafka_error_code(),
-        Some(Code::NotCoordinator | Code::CoordinatorNotAvailable | Code::CoordinatorLoadInProgress)
+        Some(
+            Code::NotCoordinator | Code::CoordinatorNotAvailable | Code::CoordinatorLoadInProgress
+        )
     )
 }
 
@@ -255,8 +369,12 @@ mod tests {
         assert_eq!(fit(10, 0, 20), LogFit::Fits);
         assert_eq!(fit(20, 0, 20), LogFit::Fits, "caught up");
         assert_eq!(fit(0, 0, 0), LogFit::Fits, "empty log, first start");
-        assert_eq!(fit(21, 0, 20), LogFit::Ahead);
-        assert_eq!(fit(5, 0, 0), LogFit::Ahead, "a log that came back empty");
+        assert_eq!(fit(21, 0, 20), LogFit::Ahead { high: 20 });
+        assert_eq!(
+            fit(5, 0, 0),
+            LogFit::Ahead { high: 0 },
+            "a log that came back empty"
+        );
         assert_eq!(fit(3, 8, 20), LogFit::Trimmed { from: 3, to: 7 });
         assert_eq!(fit(8, 8, 20), LogFit::Fits);
     }
@@ -278,5 +396,16 @@ mod tests {
         }
         .to_string();
         assert!(eviction.contains("allkeys-lru") && eviction.contains("noeviction"));
+    }
+
+    #[test]
+    fn an_old_server_is_refused_in_one_line() {
+        let old = GuardError::OldServer {
+            node: "127.0.0.1:6379".into(),
+            server: "Redis 6.2.14".into(),
+        }
+        .to_string();
+        assert!(old.contains("Redis 6.2.14") && old.contains("Redis 7.0 or later"));
+        assert!(!old.contains('\n'));
     }
 }

@@ -20,6 +20,10 @@
 //!   reading restarts at the lowest fence;
 //! * a revoked partition's buffer is dropped; a batch already in flight may
 //!   finish (the fence keeps it exact) but is never committed by this owner;
+//! * a partition whose fence lies beyond its log's end (found at assignment,
+//!   or when the consumer is sent below the fence) is paused and takes,
+//!   applies and commits nothing for the rest of its ownership; the others
+//!   go on;
 //! * everything is bounded: a partition whose batch is full and still waiting
 //!   stops the consumer from fetching until Redis catches up;
 //! * (live mode) no batch is dispatched while the freeze flag names the next
@@ -50,9 +54,9 @@ use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::{self, LayoutError, OpenStore, Record};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, KafkaSettings, RunSettings};
-use crate::infra::metrics;
 use crate::infra::security::KafkaAcl;
 use crate::infra::store::ConnectError;
+use crate::infra::{metrics, tasks};
 use crate::pipeline::aggregate::{ClosedBatch, Limits};
 use crate::pipeline::apply::{Applier, ApplyError};
 use crate::pipeline::commit::Committer;
@@ -66,7 +70,7 @@ mod follow;
 mod intake;
 mod scripts;
 
-use intake::{IdleOwnership, Owned};
+use intake::{IdleOwnership, Intake, Owned};
 use scripts::{Done, Finished, Job, plan};
 
 /// Why `tally run` stopped with an error.
@@ -106,6 +110,9 @@ pub enum RunError {
     /// An operation changed the log or the store under the fences.
     #[error(transparent)]
     Guard(#[from] GuardError),
+    /// The generation pointer names an older generation than was current.
+    #[error(transparent)]
+    Generation(#[from] generation::Backwards),
     /// A batch hit an error no retry fixes; nothing past it was committed.
     #[error("partition {partition}: {source}")]
     Apply {
@@ -167,6 +174,8 @@ struct Following {
     frozen_since: Option<Instant>,
     /// An older generation the pointer named, once reported.
     refused_back: Option<u64>,
+    /// This pipeline's generation is recorded as the pointer's `highest`.
+    highest_recorded: bool,
 }
 
 impl Following {
@@ -180,6 +189,10 @@ impl Following {
 /// How often a caught-up partition probes its fences, and how often a slot
 /// group without events gets an empty script to keep its fence recent.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// How long the run waits for a partition's watermarks when a fetched offset
+/// lies below its fence.
+const LOG_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Runs the aggregator until `shutdown` is cancelled or a fatal error.
 pub async fn run(settings: RunSettings, shutdown: CancellationToken) -> Result<(), RunError> {
@@ -203,6 +216,7 @@ pub async fn run_with(
     }
     let opened = layout::open(&settings.store).await?;
     let target = opened.target().clone();
+    let servers = tokio::task::block_in_place(|| guard::check_server(&target))?;
     tokio::task::block_in_place(|| guard::check_eviction(&target))?;
     let unreadable = |source| ConnectError {
         url: opened.url.shown().to_string(),
@@ -211,6 +225,13 @@ pub async fn run_with(
     let following = follow_pointer(&opened, &settings, &mode, &shutdown)
         .await
         .map_err(unreadable)?;
+    // A pointer that moved back is not followed by the writers still running.
+    if let Some(backwards) = following
+        .as_ref()
+        .and_then(|f| f.watch.current().backwards(settings.store.prefix()))
+    {
+        return Err(backwards.into());
+    }
     let prefix = match (&mode.fixed_prefix, &following) {
         (Some(prefix), _) => prefix.clone(),
         (None, Some(f)) => generation::prefix_of(settings.store.prefix(), f.current),
@@ -252,6 +273,7 @@ pub async fn run_with(
         opened.url.shown(),
     )
     .await?;
+    guard::report_servers(&servers);
     let (routes, watch, route_stop) = watch_routes(&applier, record.buckets, &settings, &shutdown)
         .await
         .map_err(unreadable)?;
@@ -313,7 +335,9 @@ fn warn_discontinued(
 
 /// Checks every partition's fences against its log (see [`guard`]), once,
 /// before the consumer fetches anything: the broker is asked for the
-/// watermarks while nothing else of this consumer is in flight.
+/// watermarks while nothing else of this consumer is in flight. A fence
+/// ahead of its log stops the start; every assignment checks again (see
+/// [`consume`]), and reports what retention deleted.
 async fn check_logs(
     consumer: &LikeConsumer,
     applier: &Applier,
@@ -467,6 +491,7 @@ async fn follow_pointer(
         watch,
         frozen_since: None,
         refused_back: None,
+        highest_recorded: false,
     }))
 }
 
@@ -596,13 +621,17 @@ impl Pipeline {
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;
-                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes) {
+                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes, self.settings.dedupe) {
                                 self.blocked = false;
                             }
 
-                            let accepted = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
+                            let intake = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
                             drop(message);
-                            if accepted { self.after_accept(partition); }
+                            match intake {
+                                Intake::Taken => self.after_accept(partition),
+                                Intake::BelowFence => self.check_log(partition),
+                                Intake::Dropped => {}
+                            }
                         }
                         Err(error) => {
                             self.stop_if_fatal()?;
@@ -620,6 +649,9 @@ impl Pipeline {
                     self.dispatch_ready(false);
                     self.report_idle();
                     self.report_lag_seconds();
+                    if self.settings.dedupe.on() {
+                        intake::report_windows(&self.owned);
+                    }
                 }
             }
         }
@@ -671,6 +703,54 @@ impl Pipeline {
         }
     }
 
+    /// Checks a partition whose consumer fetched below the fence against its
+    /// log, at most once per [`PROBE_EVERY`]: a log that ends before the
+    /// fence stops the partition (paused, nothing taken or committed until it
+    /// is assigned again); the others go on.
+    fn check_log(&mut self, partition: i32) {
+        let Some(state) = self.owned.get_mut(&partition) else {
+            return;
+        };
+        if state
+            .log_checked_at
+            .is_some_and(|at| at.elapsed() < PROBE_EVERY)
+        {
+            return;
+        }
+        state.log_checked_at = Some(Instant::now());
+        let Some(next) = state.next else { return };
+        let topic = &self.settings.kafka.topic;
+        // One bounded query, only ever after librdkafka reset a position.
+        let marks = tokio::task::block_in_place(|| {
+            guard::watermarks(&self.consumer, topic, partition, LOG_TIMEOUT)
+        });
+        let Some((low, high)) = marks else { return };
+        let guard::LogFit::Ahead { high } = guard::fit(next, low, high) else {
+            debug!(
+                partition,
+                next,
+                low,
+                high,
+                "Dropped a message below the partition's position; its log holds the fence."
+            );
+            return;
+        };
+        let fence = state
+            .known
+            .as_ref()
+            .map_or(next - 1, |(_, tracker)| tracker.resume_at() - 1);
+        state.fence_ahead = true;
+        state.batch.clear();
+        state.letters.clear();
+        guard::report_fence_ahead(partition, fence, high);
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        if let Err(error) = self.consumer.pause(&tpl) {
+            warn!(partition, %error, "Cannot pause the partition; its messages are dropped.");
+        }
+        metrics::fence_ahead(self.owned.values().filter(|s| s.fence_ahead).count());
+    }
+
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
@@ -681,6 +761,7 @@ impl Pipeline {
             &mut self.epochs,
             groups,
             changes,
+            self.settings.dedupe,
         ) {
             self.blocked = false;
         }
@@ -710,6 +791,7 @@ impl Pipeline {
             .iter()
             .filter(|(p, s)| {
                 !self.busy.contains(p)
+                    && !s.fence_ahead
                     && if s.batch.is_empty() {
                         !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
                     } else {
@@ -769,7 +851,7 @@ impl Pipeline {
         let Some(state) = self.owned.get_mut(&partition) else {
             return;
         };
-        if state.pending_seek.is_some() {
+        if state.pending_seek.is_some() || state.fence_ahead {
             return;
         }
         if !state.batch.is_empty() {
@@ -813,7 +895,7 @@ impl Pipeline {
                 due
             })
         });
-        state.newest_sent_ms = state.newest_seen_ms;
+        state.buffer_sent();
         let job = Job {
             partition,
             epoch: state.epoch,
@@ -826,6 +908,7 @@ impl Pipeline {
             dead_letters: self.dead_letters.clone(),
             abandon: self.abandon.clone(),
             pause: self.settings.test_script_pause,
+            dedupe: self.settings.dedupe.on(),
         };
         self.busy.insert(partition);
         self.in_flight.push(tokio::spawn(job.run()));
@@ -854,7 +937,7 @@ impl Pipeline {
         let routes = self.routes.clone();
         let table = self.table.clone();
         let watch = self.watch.clone();
-        self.sharing = Some(tokio::spawn(async move {
+        self.sharing = Some(tasks::spawn("hot-post-sharing", async move {
             match policy.share(report, &store, &keys, &routes, &table).await {
                 Ok(promoted) if !promoted.is_empty() => watch.refresh_soon(),
                 Ok(_) => {}
@@ -890,10 +973,12 @@ impl Pipeline {
         if carried {
             metrics::stage("script", done.took);
         }
+        // A partition stopped meanwhile (its log ends before its fence) is
+        // not committed on the log that replaced the one it was read from.
         let current = self
             .owned
             .get_mut(&partition)
-            .filter(|s| s.epoch == done.epoch);
+            .filter(|s| s.epoch == done.epoch && !s.fence_ahead);
         let (established, replies) = match finished {
             Finished::Resync { known } => {
                 metrics::batch_done(false, done.messages, done.bad, 0, done.took);
@@ -940,7 +1025,8 @@ impl Pipeline {
             if !probe {
                 self.committer.applied(&self.consumer, partition, done.last);
                 metrics::applied_offset(partition, done.last);
-                state.newest_applied_ms = state.newest_applied_ms.max(state.newest_sent_ms);
+                // The batch covered every offset before the buffer's.
+                state.oldest_sent_ms = None;
             }
             return Ok(());
         }
@@ -957,8 +1043,10 @@ impl Pipeline {
         };
         state.batch.clear();
         state.letters.clear();
+        state.buffer_sent();
         state.next = Some(resume);
         state.pending_seek = Some(resume);
+        intake::restart_window(partition, state, self.settings.dedupe);
         self.retry_seeks();
         Ok(())
     }

@@ -1,5 +1,6 @@
 //! A private Redis Cluster on loopback for the cluster tests: primaries and
-//! replicas started from Debian's redis-server, joined with `redis-cli --cluster`.
+//! replicas started from the store under test (`TALLY_TEST_STORE`: redis-server or
+//! valkey-server), joined with `redis-cli --cluster`.
 
 #![allow(dead_code)]
 
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::common::{redis_tool, scan_keys};
+use crate::common::{redis_tool, scan_keys, store_server};
 
 /// One node of the cluster.
 pub struct Node {
@@ -62,7 +63,7 @@ fn try_conn(port: u16) -> Option<redis::Connection> {
 impl Node {
     fn start(&mut self) {
         let log = std::fs::File::create(self.dir.join("stdout.log")).unwrap();
-        let child = Command::new(redis_tool("redis-server"))
+        let child = Command::new(store_server())
             .arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])

@@ -7,7 +7,8 @@
 //!   own topics and groups. Tests that stop, empty or reconfigure a broker start one of their own
 //!   (`Broker::start_private`, `Broker::start_cluster(3)` for failovers). All of them start
 //!   through `scripts/kafka/broker`. `TALLY_TEST_BROKER=tansu` runs the suite on Tansu 0.6.
-//! - Redis: every test starts its own `redis-server` on a free loopback port (`RedisServer`).
+//! - Redis: every test starts its own `redis-server` on a free loopback port (`RedisServer`),
+//!   or `valkey-server` with `TALLY_TEST_STORE=valkey` (`Store`).
 //!
 //! Every child process is paired with a small watchdog shell that holds a pipe from this process
 //! and SIGKILLs the child when that pipe closes, so nothing outlives a test binary, however it

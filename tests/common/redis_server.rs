@@ -1,4 +1,5 @@
-//! Redis side: private redis-server instances, and readers for counters and fences.
+//! Redis side: the store a run of the suite uses (`TALLY_TEST_STORE`), private server
+//! instances of it, and readers for counters and fences.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,6 +14,65 @@ use super::free_port;
 use super::process::{Guarded, file_tail, log_dir};
 
 pub const REDIS_INSTALL: &str = "apt-get update && apt-get install -y redis-server";
+pub const VALKEY_INSTALL: &str = "bash -c 'source scripts/lib.sh && ensure_valkey'";
+
+/// The server every test of a run starts: `TALLY_TEST_STORE=redis` (Debian's redis-server, the
+/// default) or `valkey` (valkey-server 9.1.2, which scripts/lib.sh's `ensure_valkey` puts in
+/// `~/.cache/tally/valkey-9.1.2`, or `TALLY_VALKEY_HOME`). redis-cli is Redis's for both: it
+/// speaks to Valkey as to Redis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    Redis,
+    Valkey,
+}
+
+impl Store {
+    pub fn current() -> Store {
+        match std::env::var("TALLY_TEST_STORE").as_deref() {
+            Err(_) | Ok("") | Ok("redis") => Store::Redis,
+            Ok("valkey") => Store::Valkey,
+            Ok(other) => panic!("TALLY_TEST_STORE={other:?}: use redis or valkey"),
+        }
+    }
+
+    /// The server program, for log lines and messages.
+    pub fn server_name(self) -> &'static str {
+        match self {
+            Store::Redis => "redis-server",
+            Store::Valkey => "valkey-server",
+        }
+    }
+
+    pub fn server_bin(self) -> PathBuf {
+        match self {
+            Store::Redis => redis_tool("redis-server"),
+            Store::Valkey => valkey_tool("valkey-server"),
+        }
+    }
+}
+
+/// The server program of the store this run uses (see [`Store`]).
+pub fn store_server() -> PathBuf {
+    Store::current().server_bin()
+}
+
+/// `name` from Valkey's install directory (`TALLY_VALKEY_HOME`, else
+/// `~/.cache/tally/valkey-9.1.2`), else from PATH.
+fn valkey_tool(name: &str) -> PathBuf {
+    let home = std::env::var_os("TALLY_VALKEY_HOME")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tally/valkey-9.1.2"))
+        });
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    home.into_iter()
+        .chain(std::env::split_paths(&path))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("{name} is not installed (TALLY_TEST_STORE=valkey); run: {VALKEY_INSTALL}")
+        })
+}
 
 /// A private `redis-server` on a free loopback port; killed on drop.
 pub struct RedisServer {
@@ -26,11 +86,7 @@ pub struct RedisServer {
 }
 
 fn redis_server_bin() -> PathBuf {
-    redis_tool("redis-server")
-}
-
-fn redis_check_aof_bin() -> PathBuf {
-    redis_tool("redis-check-aof")
+    store_server()
 }
 
 /// Path of a program installed with redis-server (`redis-cli`, ...): the first on PATH, else in
@@ -186,61 +242,16 @@ impl RedisServer {
     }
 
     /// Cuts up to `bytes` off the end of the newest incremental AOF file, as if the machine had
-    /// gone down before its last writes reached the disk, then repairs the torn tail with
-    /// `redis-check-aof --fix` as the operator of a crashed server does (see docs/operations.md).
-    /// Call between `kill` and `restart`. Returns the number of bytes cut.
+    /// gone down before its last writes reached the disk, then does what the store needs after
+    /// an unclean stop ([`repair_after_unclean_stop`]). Call between `kill` and `restart`.
+    /// Returns the number of bytes cut.
     pub fn truncate_aof_tail(&self, bytes: u64) -> u64 {
         assert!(
             self.proc.is_none(),
-            "truncate the AOF only while redis-server is down"
+            "truncate the AOF only while the server is down"
         );
-        let aof_dir = self.dir.path().join("appendonlydir");
-        let manifest = std::fs::read_dir(&aof_dir)
-            .expect("read appendonlydir")
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|e| e == "manifest"))
-            .expect("AOF manifest");
-        let text = std::fs::read_to_string(&manifest).expect("read AOF manifest");
-        let incr = text
-            .lines()
-            .filter_map(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                let field = |k: &str| fields.iter().position(|f| *f == k).map(|i| fields[i + 1]);
-                (field("type") == Some("i")).then(|| field("file").map(str::to_string))?
-            })
-            .next_back()
-            .expect("an incremental AOF file in the manifest");
-        let path = aof_dir.join(incr);
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open incremental AOF");
-        let len = file.metadata().expect("AOF metadata").len();
-        let cut = bytes.min(len);
-        file.set_len(len - cut).expect("truncate AOF");
-        drop(file);
-        // The recovery an operator runs after an unclean stop. Without it, redis-server 7.0
-        // loads the torn tail (dropping an unfinished MULTI in memory) but leaves its first
-        // commands in the file; the next writes are appended after them, and a later restart
-        // runs that torn transaction's head together with the next transaction: increments
-        // without their fence, counted again when the batch is replayed.
-        let mut fix = Command::new(redis_check_aof_bin())
-            .arg("--fix")
-            .arg(&manifest)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("run redis-check-aof (installed with redis-server)");
-        use std::io::Write as _;
-        let _ = fix.stdin.take().expect("stdin").write_all(b"y\n");
-        let out = fix.wait_with_output().expect("redis-check-aof");
-        assert!(
-            out.status.success(),
-            "redis-check-aof --fix failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let cut = cut_aof_tail(self.dir.path(), bytes);
+        repair_after_unclean_stop(self.dir.path());
         cut
     }
 
@@ -269,6 +280,79 @@ impl Drop for RedisServer {
             );
         }
         self.kill();
+    }
+}
+
+/// The AOF directory under a server's `--dir`, and its manifest.
+fn aof_manifest(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir.join("appendonlydir"))
+        .expect("read appendonlydir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|e| e == "manifest"))
+        .expect("AOF manifest")
+}
+
+/// Cuts up to `bytes` off the end of the newest incremental AOF file of the server whose
+/// `--dir` is `dir` (stopped); returns the number of bytes cut.
+pub fn cut_aof_tail(dir: &Path, bytes: u64) -> u64 {
+    let manifest = aof_manifest(dir);
+    let text = std::fs::read_to_string(&manifest).expect("read AOF manifest");
+    let incr = text
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let field = |k: &str| fields.iter().position(|f| *f == k).map(|i| fields[i + 1]);
+            (field("type") == Some("i")).then(|| field("file").map(str::to_string))?
+        })
+        .next_back()
+        .expect("an incremental AOF file in the manifest");
+    let path = manifest.parent().unwrap().join(incr);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open incremental AOF");
+    let len = file.metadata().expect("AOF metadata").len();
+    let cut = bytes.min(len);
+    file.set_len(len - cut).expect("truncate AOF");
+    cut
+}
+
+/// What an operator runs after an unclean stop of the store under test, before it starts
+/// again (docs/design.md and docs/operations.md say the same):
+/// - Redis 7.0 loads a torn last transaction by dropping it in memory, but leaves its first
+///   commands in the file; the next writes are appended after them, and a later restart runs
+///   that torn head together with the next transaction: increments without their fence,
+///   counted again when the batch is replayed. `redis-check-aof --fix` on the manifest cuts
+///   the torn transaction off first.
+/// - Valkey 9 drops the torn transaction and cuts it off the file itself while loading
+///   (`aof-load-truncated yes`, the default), so nothing is run. Its checker could not help
+///   anyway: valkey-check-aof 9.1.2, like redis-check-aof 7.0, reads the `VALKEY080` RDB base
+///   file as commands and refuses the manifest.
+pub fn repair_after_unclean_stop(dir: &Path) {
+    match Store::current() {
+        Store::Valkey => {}
+        Store::Redis => {
+            let manifest = aof_manifest(dir);
+            let mut fix = Command::new(redis_tool("redis-check-aof"))
+                .arg("--fix")
+                .arg(&manifest)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!("run redis-check-aof: {e}; install it with: {REDIS_INSTALL}")
+                });
+            use std::io::Write as _;
+            let _ = fix.stdin.take().expect("stdin").write_all(b"y\n");
+            let out = fix.wait_with_output().expect("redis-check-aof");
+            assert!(
+                out.status.success(),
+                "redis-check-aof --fix failed:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 }
 

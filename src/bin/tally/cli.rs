@@ -10,6 +10,10 @@ use crate::{inspect, ops, reads, run, serve, settings, tools};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Testing only: the background task of this name panics when it first
+    /// runs, so that supervision can be seen to end the process.
+    #[arg(long, env = "TALLY_TEST_PANIC_TASK", hide = true)]
+    pub test_panic_task: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -52,7 +56,7 @@ pub enum Command {
     Plan(Box<tools::plan::PlanArgs>),
     /// Recount the topic into a new key generation and switch to it when caught up.
     Rebuild(Box<ops::RebuildCommand>),
-    /// Recount the topic in memory and compare with the stored counts; exits 1 on drift.
+    /// Recount the topic in memory and compare with the stored counts; exits 1 on drift, 3 when retention deleted part of it.
     Verify(Box<ops::VerifyCommand>),
     /// Remove key generations older than the current one, after a grace period.
     Gc(ops::GcArgs),

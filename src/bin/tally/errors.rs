@@ -71,7 +71,13 @@ pub fn acl_hint(line: &str) -> Option<String> {
             " (grant +{permission} to tally's Redis user; docs/security.md lists each command's rule)"
         ));
     }
-    line.contains("no permissions to access one of the keys").then(|| {
+    // Redis 7.0 says "no permissions to access one of the keys", Valkey "No permissions to
+    // access a key".
+    let key = [
+        "no permissions to access one of the keys",
+        "No permissions to access a key",
+    ];
+    key.iter().any(|k| line.contains(k)).then(|| {
         " (tally's Redis user needs the key pattern ~<prefix>:*; docs/security.md lists each command's rule)".to_string()
     })
 }
@@ -239,6 +245,12 @@ mod tests {
             "NoPerm: this user has no permissions to access one of the keys used as arguments"
         );
         assert!(line(&keys).contains("~<prefix>:*"), "{}", line(&keys));
+        let valkey_keys = anyhow::anyhow!("NoPerm: No permissions to access a key");
+        assert!(
+            line(&valkey_keys).contains("~<prefix>:*"),
+            "{}",
+            line(&valkey_keys)
+        );
         assert_eq!(acl_hint("cannot reach Redis"), None);
     }
 

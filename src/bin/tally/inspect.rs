@@ -23,6 +23,7 @@ use tally::infra::store::connect_blocking;
 
 use crate::errors::Problems;
 use crate::settings::StoreArgs;
+use crate::settings::layers::ConfigArg;
 
 /// `tally inspect ...`.
 #[derive(Subcommand)]
@@ -39,12 +40,17 @@ pub struct InspectPost {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
 }
 
 /// Runs `tally inspect`.
-pub async fn inspect(inspect: Inspect) -> Result<()> {
+pub async fn inspect(inspect: Inspect, matches: &clap::ArgMatches) -> Result<()> {
     let Inspect::Post(args) = inspect;
-    let settings = args.store.settings().map_err(Problems)?;
+    let matches = matches.subcommand_matches("post").unwrap_or(matches);
+    let store = args.config.layer(&args.store, matches).map_err(Problems)?;
+    let settings = store.settings().map_err(Problems)?;
     let (opened, record) = tally::domain::layout::open_for_reading(&settings).await?;
     let report = tokio::task::block_in_place(|| inspect_post(&args, &opened, &settings, &record))?;
     print!("{report}");
@@ -62,8 +68,12 @@ fn inspect_post(
     let map = SlotMap::read(target).context("reading the slot map")?;
     let mut conn = connect_blocking(target, Duration::from_secs(3))
         .with_context(|| format!("cannot reach Redis at {}", settings.url().shown()))?;
-    let current =
+    let pointer =
         tally::domain::generation::read_pointer_blocking(conn.as_mut(), settings.prefix())?;
+    if let Some(backwards) = pointer.backwards(settings.prefix()) {
+        tally::domain::generation::report_backwards(&backwards);
+    }
+    let current = pointer.current;
     let keys = opened
         .keys
         .with_prefix(tally::domain::generation::prefix_of(

@@ -1,5 +1,7 @@
 //! The `tally` command: parses flags, picks a log filter, hands the command
-//! to the module of its group, and prints the error that stopped it.
+//! to the module of its group, and prints the error that stopped it, or the
+//! panic of a background task (see [`tally::infra::tasks`]), which ends the
+//! command as well.
 
 use std::io::IsTerminal as _;
 use std::process::ExitCode;
@@ -33,20 +35,35 @@ fn main() -> ExitCode {
         .init();
     // Redis TLS (rediss://) uses rustls with the ring provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    tally::infra::tasks::install_panic_hook();
+    if let Some(task) = &cli.test_panic_task {
+        tally::infra::tasks::inject_panic(task);
+    }
     let result = tokio::runtime::Runtime::new()
         .map_err(|e| anyhow::anyhow!("cannot start the async runtime: {e}"))
-        .and_then(|runtime| runtime.block_on(dispatch(cli.command, &matches)));
+        .and_then(|runtime| {
+            runtime.block_on(async {
+                tokio::select! {
+                    result = dispatch(cli.command, &matches) => result,
+                    failure = tally::infra::tasks::failed() => Err(failure.into()),
+                }
+            })
+        });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {}", errors::line(&error));
-            ExitCode::FAILURE
+            if error.is::<ops::Incomplete>() {
+                ExitCode::from(ops::VERIFY_INCOMPLETE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
 
-/// Runs one command. `matches` are the parsed flags, which the commands of
-/// `tally run`'s settings layer with variables and a file.
+/// Runs one command. `matches` are the parsed flags, which every command
+/// that touches Redis layers with variables and a file.
 async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> {
     let (_, sub) = matches.subcommand().expect("clap requires a subcommand");
     match command {
@@ -64,19 +81,23 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::BenchReads(config) => tools::bench_reads::bench_reads(*config).await,
         Command::BenchWrites(config) => tools::bench_writes::bench_writes(*config).await,
         Command::BenchBaseline(args) => tools::bench::baseline(*args).await,
-        Command::Inspect(inspect) => inspect::inspect(inspect).await,
-        Command::Count(args) => reads::count(&args).await,
-        Command::Serve(args) => serve::serve(args).await,
-        Command::Promote(args) => ops::route(&args, tally::ops::promote::Direction::Promote).await,
-        Command::Demote(args) => ops::route(&args, tally::ops::promote::Direction::Demote).await,
-        Command::Rebucket(args) => ops::rebucket(&args).await,
+        Command::Inspect(inspect) => inspect::inspect(inspect, sub).await,
+        Command::Count(args) => reads::count(&args, sub).await,
+        Command::Serve(args) => serve::serve(args, sub).await,
+        Command::Promote(args) => {
+            ops::route(&args, tally::ops::promote::Direction::Promote, sub).await
+        }
+        Command::Demote(args) => {
+            ops::route(&args, tally::ops::promote::Direction::Demote, sub).await
+        }
+        Command::Rebucket(args) => ops::rebucket(&args, sub).await,
         Command::Plan(args) => {
             print!("{}", tools::plan::report(&args)?);
             Ok(())
         }
         Command::Rebuild(command) => ops::rebuild(sub, &command).await,
         Command::Verify(command) => ops::verify(sub, &command).await,
-        Command::Gc(args) => ops::gc(&args).await,
+        Command::Gc(args) => ops::gc(&args, sub).await,
         Command::ResetFences(command) => ops::reset_fences(sub, &command).await,
     }
 }

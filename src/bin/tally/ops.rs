@@ -15,6 +15,7 @@ use tally::ops::verify::{Report, VerifyOptions};
 use crate::errors::Problems;
 use crate::progress::Progress;
 use crate::run::{run_settings, shutdown_on_signal};
+use crate::settings::layers::ConfigArg;
 use crate::settings::{RegistryWaitArgs, RunArgs, StoreArgs};
 
 /// Settings of `tally promote` and `tally demote`.
@@ -29,6 +30,9 @@ pub struct RouteArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
     /// Replicas the version waits for.
     #[command(flatten)]
     pub wait: RegistryWaitArgs,
@@ -44,6 +48,9 @@ pub struct RebucketArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
     /// Replicas the new epoch waits for.
     #[command(flatten)]
     pub wait: RegistryWaitArgs,
@@ -59,6 +66,9 @@ pub struct GcArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
 }
 
 /// Settings of `tally rebuild`: its own, and those it shares with `tally run`.
@@ -85,6 +95,7 @@ pub struct RebuildCommand {
 
 /// Settings of `tally verify`: its own, and those it shares with `tally run`.
 #[derive(Args)]
+#[command(after_help = VERIFY_EXIT_CODES)]
 pub struct VerifyCommand {
     /// Check only these posts (comma separated); by default every post with
     /// an event or a counter.
@@ -202,7 +213,24 @@ pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<(
     Ok(())
 }
 
-/// `tally verify`: the drift table and a summary; fails when any post drifted.
+/// What `tally verify`'s exit code says (its `--help` shows this).
+const VERIFY_EXIT_CODES: &str = "\
+Exit codes:
+  0  every post checked equals the recount of its events from each partition's origin to its fence
+  1  posts differ from that recount, or verify could not run
+  3  retention deleted offsets the counts hold: they are named, and the posts are checked against
+     the events that remain (a difference may come from the deleted ones)";
+
+/// `tally verify`'s exit code when retention deleted offsets it had to recount.
+pub const VERIFY_INCOMPLETE: u8 = 3;
+
+/// `tally verify` could not recount every offset the counts hold.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Incomplete(String);
+
+/// `tally verify`: the drift table and a summary; fails when any post
+/// drifted, and with [`Incomplete`] when part of the topic is gone.
 pub async fn verify(matches: &ArgMatches, command: &VerifyCommand) -> Result<()> {
     let settings = run_settings(matches)?;
     let options = VerifyOptions {
@@ -212,16 +240,43 @@ pub async fn verify(matches: &ArgMatches, command: &VerifyCommand) -> Result<()>
     };
     let report = tally::ops::verify::verify(settings, options).await?;
     print!("{}", verify_text(&report));
+    if !report.gone.is_empty() {
+        let ranges: Vec<String> = report
+            .gone
+            .iter()
+            .map(|g| format!("partition {} offsets {}..={}", g.partition, g.from, g.to))
+            .collect();
+        return Err(Incomplete(format!(
+            "retention deleted offsets the counts hold, which cannot be verified: {}; {} posts differ from the events that remain",
+            ranges.join(", "),
+            report.drift.len()
+        ))
+        .into());
+    }
     match report.drift.len() {
         0 => Ok(()),
         n => bail!("{n} posts differ from the topic"),
     }
 }
 
-/// The drift table (when there is drift) and a summary line.
+/// The ranges gone from the log, the drift table (when there is drift) and
+/// a summary line.
 fn verify_text(report: &Report) -> String {
     let mut text = String::new();
+    for g in &report.gone {
+        let _ = writeln!(
+            text,
+            "partition {}: offsets {}..={} were counted and are gone from the log (retention); their events cannot be recounted",
+            g.partition, g.from, g.to
+        );
+    }
     if !report.drift.is_empty() {
+        if !report.gone.is_empty() {
+            let _ = writeln!(
+                text,
+                "differences from the events that remain (the deleted ones may account for them):"
+            );
+        }
         let _ = writeln!(
             text,
             "{:>20}  {:>14}  {:>14}  {:>12}",
@@ -248,12 +303,20 @@ fn verify_text(report: &Report) -> String {
         report.partitions,
         report.drift.len()
     );
+    if !report.gone.is_empty() {
+        let offsets: i64 = report.gone.iter().map(|g| g.to - g.from + 1).sum();
+        let _ = writeln!(
+            text,
+            "{offsets} offsets counted earlier are gone from the log and were not verified"
+        );
+    }
     text
 }
 
 /// `tally gc`.
-pub async fn gc(args: &GcArgs) -> Result<()> {
-    let store = args.store.settings().map_err(Problems)?;
+pub async fn gc(args: &GcArgs, matches: &ArgMatches) -> Result<()> {
+    let store = args.config.layer(&args.store, matches).map_err(Problems)?;
+    let store = store.settings().map_err(Problems)?;
     let grace = Duration::from_secs(args.grace_secs);
     match tally::ops::gc::gc(&store, grace).await? {
         Collected::NothingOlder => println!("generation 0 is current; nothing to remove"),
@@ -275,13 +338,15 @@ pub async fn gc(args: &GcArgs) -> Result<()> {
 }
 
 /// `tally promote` and `tally demote`.
-pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
-    let store = args.store.settings().map_err(Problems)?;
+pub async fn route(args: &RouteArgs, direction: Direction, matches: &ArgMatches) -> Result<()> {
+    let store = args.config.layer(&args.store, matches).map_err(Problems)?;
+    let store = store.settings().map_err(Problems)?;
+    let wait = args.config.layer(&args.wait, matches).map_err(Problems)?;
     let change = Change {
         post_id: args.post_id,
         direction,
         to_buckets: args.to_buckets,
-        wait: args.wait.settings().map_err(|p| Problems(vec![p]))?,
+        wait: wait.settings().map_err(|p| Problems(vec![p]))?,
     };
     let routed = tally::ops::promote::change_route(&store, change).await?;
     println!(
@@ -296,9 +361,11 @@ pub async fn route(args: &RouteArgs, direction: Direction) -> Result<()> {
 }
 
 /// `tally rebucket`.
-pub async fn rebucket(args: &RebucketArgs) -> Result<()> {
-    let store = args.store.settings().map_err(Problems)?;
-    let wait = args.wait.settings().map_err(|p| Problems(vec![p]))?;
+pub async fn rebucket(args: &RebucketArgs, matches: &ArgMatches) -> Result<()> {
+    let store = args.config.layer(&args.store, matches).map_err(Problems)?;
+    let store = store.settings().map_err(Problems)?;
+    let wait = args.config.layer(&args.wait, matches).map_err(Problems)?;
+    let wait = wait.settings().map_err(|p| Problems(vec![p]))?;
     let change = tally::ops::promote::rebucket(&store, args.to_buckets, wait).await?;
     let newest = change.newest;
     if !change.added {

@@ -4,11 +4,12 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{ArgMatches, Args};
 use tally::read::Reader;
 
 use crate::errors::Problems;
 use crate::settings::StoreArgs;
+use crate::settings::layers::ConfigArg;
 
 /// Settings of `tally count`.
 #[derive(Clone, Args)]
@@ -25,11 +26,15 @@ pub struct CountArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
 }
 
 /// Runs `tally count`.
-pub async fn count(args: &CountArgs) -> anyhow::Result<()> {
-    let store = args.store.settings().map_err(Problems)?;
+pub async fn count(args: &CountArgs, matches: &ArgMatches) -> anyhow::Result<()> {
+    let store = args.config.layer(&args.store, matches).map_err(Problems)?;
+    let store = store.settings().map_err(Problems)?;
     let (opened, record) = tally::domain::layout::open_for_reading(&store).await?;
     let reader = Reader::new(opened.store, opened.keys, record.buckets, Duration::ZERO);
     let counts = reader.counts(&args.post_ids).await?;

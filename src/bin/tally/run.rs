@@ -41,7 +41,7 @@ pub fn run_settings(matches: &ArgMatches) -> anyhow::Result<tally::infra::config
 pub fn shutdown_on_signal() -> CancellationToken {
     let shutdown = CancellationToken::new();
     let cancel = shutdown.clone();
-    tokio::spawn(async move {
+    tally::infra::tasks::spawn("signals", async move {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! {

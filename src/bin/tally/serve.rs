@@ -35,6 +35,7 @@ use tally::read::{Count, Reader};
 use tracing::info;
 
 use crate::settings::StoreArgs;
+use crate::settings::layers::ConfigArg;
 
 /// How long a count is served from the cache by default (milliseconds).
 pub const DEFAULT_CACHE_TTL_MS: u64 = 1_000;
@@ -63,6 +64,9 @@ pub struct ServeArgs {
     /// Where the counts are.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// The settings file it shares with `tally run`.
+    #[command(flatten)]
+    pub config: ConfigArg,
 }
 
 impl ServeArgs {
@@ -206,9 +210,12 @@ pub fn router(reader: Reader, metrics: Option<PrometheusHandle>, limits: &ServeL
 }
 
 /// Runs `tally serve` until SIGINT or SIGTERM.
-pub async fn serve(args: ServeArgs) -> Result<()> {
+pub async fn serve(args: ServeArgs, matches: &clap::ArgMatches) -> Result<()> {
     let limits = args.limits().map_err(crate::errors::Problems)?;
-    let store = args.store.settings().map_err(crate::errors::Problems)?;
+    let store = args.config.layer(&args.store, matches);
+    let store = store
+        .and_then(|store| store.settings())
+        .map_err(crate::errors::Problems)?;
     let (opened, record) = tally::domain::layout::open_for_reading(&store).await?;
     let buckets = record.buckets;
     let reader = Reader::new(

@@ -23,6 +23,7 @@ use tally::infra::config::{
 };
 use tally::infra::security::{SaslMechanism, SecurityProtocol};
 use tally::infra::store::ReplicaWait;
+use tally::pipeline::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings};
 
 pub mod layers;
 pub mod show;
@@ -33,6 +34,7 @@ const KAFKA: &str = "Kafka";
 const REDIS: &str = "Redis";
 const BATCHING: &str = "Batching";
 const HOT: &str = "Hot posts";
+const DEDUPE: &str = "Duplicates";
 const SECURITY: &str = "Security";
 
 /// Where the counts are: the flags every command touching Redis shares.
@@ -221,6 +223,21 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_SCHEMA_IDS", value_name = "ID,...", value_delimiter = ',', help_heading = KAFKA)]
     pub schema_ids: Vec<u32>,
 
+    /// Records that repeat a like change no count: `ids` skips a record whose event_id an
+    /// earlier record of the same post, user and action carries within --dedupe-window;
+    /// `ids-and-actions` also skips an id-less record that repeats the user's last id-less
+    /// action on the post (a like after a like); `off` counts every record. A replay and
+    /// `tally verify` need the same mode and window.
+    #[arg(long, env = "TALLY_DEDUPE", default_value = "off", value_parser = dedupe_parser(), help_heading = DEDUPE)]
+    pub dedupe: DedupeMode,
+
+    /// The dedupe window, in offsets of a partition: a record is compared with the records
+    /// at most this many offsets before it. Each assignment re-reads this many offsets
+    /// below the fence, and each partition remembers up to this many events (at most
+    /// 160 bytes each; docs/design.md sizes it).
+    #[arg(long, env = "TALLY_DEDUPE_WINDOW", value_name = "OFFSETS", default_value_t = DEFAULT_WINDOW, help_heading = DEDUPE)]
+    pub dedupe_window: u64,
+
     /// Where the counts are.
     #[command(flatten)]
     #[serde(flatten)]
@@ -403,6 +420,10 @@ impl RunArgs {
             test_script_pause: Duration::from_millis(self.test_script_pause_ms),
             accept_lost_counts: self.accept_lost_counts,
             schema_ids: self.schema_ids.clone(),
+            dedupe: DedupeSettings {
+                mode: self.dedupe,
+                span: self.dedupe_window,
+            },
         };
         problems.extend(settings.problems());
         if problems.is_empty() {
@@ -435,6 +456,12 @@ impl RunArgs {
 fn group_protocol_parser() -> impl TypedValueParser<Value = GroupProtocol> {
     PossibleValuesParser::new(GroupProtocol::ALL.map(GroupProtocol::as_str))
         .map(|name| name.parse().expect("a listed protocol"))
+}
+
+/// `--dedupe`'s values.
+fn dedupe_parser() -> impl TypedValueParser<Value = DedupeMode> {
+    PossibleValuesParser::new(DedupeMode::ALL.map(DedupeMode::as_str))
+        .map(|name| name.parse().expect("a listed mode"))
 }
 
 /// `--kafka-security-protocol`'s values.

@@ -388,7 +388,7 @@ impl RouteWatch {
         let wake = Arc::new(Notify::new());
         let woken = wake.clone();
         let watched = routes.clone();
-        tokio::spawn(async move {
+        crate::infra::tasks::spawn("registry-follower", async move {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,

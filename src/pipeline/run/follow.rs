@@ -13,8 +13,10 @@
 //! The pointer only moves forward. One that names an older generation (a
 //! failover lost the switch) is not followed: readers never go back either,
 //! so writers going back would write counts no reader reads. It is logged and
-//! counted (`tally_generation_backwards_total`), and the pipeline keeps
-//! writing the generation it has.
+//! counted (`tally_generation_backwards_total`), the pipeline keeps writing
+//! the generation it has, and records that generation as the pointer's
+//! `highest`, so that a writer started later refuses to start on the older
+//! one and readers report it (see [`generation::Backwards`]).
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +25,7 @@ use rdkafka::consumer::Consumer;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::{Pipeline, RunError};
+use super::{Pipeline, RunError, intake};
 use crate::domain::generation;
 use crate::domain::versions::RouteWatch;
 use crate::pipeline::apply::ApplyError;
@@ -42,12 +44,24 @@ impl Pipeline {
         if state.current < following.current {
             if following.refused_back != Some(state.current) {
                 following.refused_back = Some(state.current);
+                following.highest_recorded = false;
                 crate::infra::metrics::generation_backwards();
                 error!(
                     pointer = state.current,
                     writing = following.current,
-                    "The generation pointer went back (a failover lost the switch?); still writing the newer generation, which readers read. Set the pointer back to it (HSET <prefix>:generation current N)."
+                    "The generation pointer went back (a failover lost the switch?); still writing the newer generation, and later starts are refused until the pointer names it again: HSET <prefix>:generation current N."
                 );
+            }
+            if !following.highest_recorded && state.highest < following.current {
+                let base = self.settings.store.prefix();
+                match generation::record_highest(self.applier.store(), base, following.current)
+                    .await
+                {
+                    Ok(()) => following.highest_recorded = true,
+                    Err(error) => {
+                        warn!(%error, "Recording the generation written beside the pointer failed; retrying.");
+                    }
+                }
             }
             return Ok(());
         }
@@ -166,6 +180,7 @@ impl Pipeline {
         state.epoch = self.epochs;
         state.batch.clear();
         state.letters.clear();
+        state.buffer_sent();
         state.verified_at = Instant::now();
         state.advanced_at.fill(Instant::now());
         match found.tracker() {
@@ -190,6 +205,7 @@ impl Pipeline {
                 state.pending_seek = before;
             }
         }
+        intake::restart_window(partition, state, self.settings.dedupe);
         Ok(true)
     }
 }

@@ -2,15 +2,27 @@
 //!
 //! Invariants kept here: a partition's batch only ever holds messages of the
 //! current ownership, read from the position the fences gave it; a message
-//! below that position, or read while a seek is pending, is dropped; an event
-//! its slot group already has is covered by the range but changes no counter.
+//! below that position, or read while a seek is pending, is dropped, and one
+//! below it with no seek pending is handed back to be checked against the
+//! log (only a log that ends before the fence sends the consumer there); an
+//! event its slot group already has is covered by the range but changes no
+//! counter. A partition whose fence is ahead of its log takes nothing until
+//! it is assigned again; offsets retention deleted before the fence reached
+//! them are reported once per ownership, at its assignment.
+//!
+//! With dedupe on, a partition's window is rebuilt whenever it starts at its
+//! fences (assignment, resync, a new generation): the consumer is placed
+//! below the fences, and the records it reads there only fill the window, so
+//! every record above the fences is decided as any other owner decides it
+//! (see [`crate::pipeline::dedupe`]); a repeat is covered by the range but
+//! changes no counter.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::Message;
 use rdkafka::message::BorrowedMessage;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::domain::fence::{PartitionFences, Tracker};
 use crate::domain::slots::SlotGroups;
@@ -21,6 +33,8 @@ use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::Rebalanced;
 use crate::pipeline::dead_letter::{DeadLetter, DeadLetters, Pending};
 use crate::pipeline::decode::Decoder;
+use crate::pipeline::dedupe::{DedupeSettings, Window};
+use crate::pipeline::guard::{self, LogFit};
 
 /// A partition this consumer owns.
 pub(super) struct Owned {
@@ -44,21 +58,65 @@ pub(super) struct Owned {
     /// partition whose fetcher is still starting); messages are dropped until
     /// it succeeds, so nothing read from the old position enters a batch.
     pub(super) pending_seek: Option<i64>,
-    /// Kafka timestamps (milliseconds): the newest event accepted, the newest
-    /// in the batch in flight, and the newest applied; for the lag in seconds.
-    pub(super) newest_seen_ms: i64,
-    pub(super) newest_sent_ms: i64,
-    pub(super) newest_applied_ms: i64,
+    /// Kafka timestamps (milliseconds) of the oldest message in the buffer,
+    /// and of the oldest sent but not yet applied (the batch in flight, or
+    /// a buffer dropped to be read again): for the lag in seconds.
+    pub(super) oldest_buffered_ms: Option<i64>,
+    pub(super) oldest_sent_ms: Option<i64>,
+    /// The fence lies beyond the log's end: the partition is paused and
+    /// takes nothing for this ownership.
+    pub(super) fence_ahead: bool,
+    /// When a fetched offset below the fence last sent this partition's log
+    /// to be checked.
+    pub(super) log_checked_at: Option<Instant>,
+    /// The dedupe window, when dedupe is on.
+    pub(super) window: Option<Window>,
+}
+
+/// What became of a fetched message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Intake {
+    /// Added to its partition's batch.
+    Taken,
+    /// Not ours, stale, or its partition is stopped.
+    Dropped,
+    /// Below the partition's next offset with no seek pending: the consumer
+    /// was sent below the fence without being asked (see [`accept`]); the
+    /// log is to be checked. The message is dropped.
+    BelowFence,
 }
 
 impl Owned {
     /// How far behind the partition's counts are, in seconds: the age of
-    /// the newest applied event while newer ones wait, 0 when caught up.
+    /// the oldest message fetched and not yet applied, 0 when none waits. A
+    /// partition whose first batch never lands ages like any other.
     pub(super) fn lag_seconds(&self, now_ms: i64) -> f64 {
-        if self.newest_seen_ms <= self.newest_applied_ms || self.newest_applied_ms == 0 {
-            return 0.0;
+        let oldest = match (self.oldest_sent_ms, self.oldest_buffered_ms) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => match a.or(b) {
+                Some(oldest) => oldest,
+                None => return 0.0,
+            },
+        };
+        (now_ms - oldest).max(0) as f64 / 1000.0
+    }
+
+    /// A message stamped `timestamp` entered the buffer.
+    pub(super) fn buffered(&mut self, timestamp: i64) {
+        if timestamp > 0 {
+            self.oldest_buffered_ms = Some(
+                self.oldest_buffered_ms
+                    .map_or(timestamp, |t| t.min(timestamp)),
+            );
         }
-        (now_ms - self.newest_applied_ms).max(0) as f64 / 1000.0
+    }
+
+    /// The buffer was sent as a batch, or dropped to be read again: its
+    /// messages wait until a batch is applied.
+    pub(super) fn buffer_sent(&mut self) {
+        if let Some(buffered) = self.oldest_buffered_ms.take() {
+            self.oldest_sent_ms = Some(self.oldest_sent_ms.map_or(buffered, |t| t.min(buffered)));
+        }
     }
 }
 
@@ -72,6 +130,7 @@ pub(super) fn apply_changes(
     epochs: &mut u64,
     groups: usize,
     changes: Vec<Rebalanced>,
+    dedupe: DedupeSettings,
 ) -> bool {
     let any = !changes.is_empty();
     for change in changes {
@@ -81,6 +140,17 @@ pub(super) fn apply_changes(
                 for a in assignments {
                     *epochs += 1;
                     let known = a.fences.as_ref().and_then(PartitionFences::tracker);
+                    let fence_ahead = match (a.log, &known) {
+                        (Some(LogFit::Trimmed { from, to }), _) => {
+                            guard::report_trimmed(a.partition, from, to);
+                            false
+                        }
+                        (Some(LogFit::Ahead { high }), Some((_, tracker))) => {
+                            guard::report_fence_ahead(a.partition, tracker.resume_at() - 1, high);
+                            true
+                        }
+                        _ => false,
+                    };
                     owned.insert(
                         a.partition,
                         Owned {
@@ -93,11 +163,16 @@ pub(super) fn apply_changes(
                             advanced_at: vec![Instant::now(); groups],
                             verified_at: Instant::now(),
                             pending_seek: None,
-                            newest_seen_ms: 0,
-                            newest_sent_ms: 0,
-                            newest_applied_ms: 0,
+                            oldest_buffered_ms: None,
+                            oldest_sent_ms: None,
+                            fence_ahead,
+                            log_checked_at: None,
+                            window: None,
                         },
                     );
+                    if let Some(state) = owned.get_mut(&a.partition) {
+                        restart_window(a.partition, state, dedupe);
+                    }
                 }
             }
             Rebalanced::Revoked(partitions) => {
@@ -106,6 +181,7 @@ pub(super) fn apply_changes(
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
                     metrics::consumer_lag_seconds(p, 0.0);
+                    metrics::dedupe_window(p, 0.0);
                 }
             }
             Rebalanced::Lost => {
@@ -121,13 +197,19 @@ pub(super) fn apply_changes(
         // An assignment, even an empty one, tells readiness the consumer
         // has joined its group.
         metrics::assigned(owned.len());
+        metrics::fence_ahead(owned.values().filter(|s| s.fence_ahead).count());
         health::assigned(owned.len());
     }
     any
 }
 
-/// Adds one message to its partition's batch; `false` when it is not ours
-/// or stale.
+/// Adds one message to its partition's batch.
+///
+/// A message below the partition's next offset arrives only after a seek
+/// (dropped while it is pending; librdkafka discards what was fetched
+/// before it) or after librdkafka reset a position the log does not hold:
+/// the fence's position lay beyond the log's end, and the reset went back to
+/// its start. The second is handed back as [`Intake::BelowFence`].
 pub(super) fn accept(
     owned: &mut HashMap<i32, Owned>,
     groups: &SlotGroups,
@@ -136,14 +218,27 @@ pub(super) fn accept(
     routes: &RouteTable,
     decoder: &Decoder,
     dead_letters: Option<&DeadLetters>,
-) -> bool {
+) -> Intake {
     let partition = message.partition();
     let offset = message.offset();
     let Some(state) = owned.get_mut(&partition) else {
-        return false;
+        return Intake::Dropped;
     };
-    if state.pending_seek.is_some() || state.next.is_some_and(|next| offset < next) {
-        return false;
+    if state.fence_ahead || state.pending_seek.is_some() {
+        return Intake::Dropped;
+    }
+    if state.next.is_some_and(|next| offset < next) {
+        // Below the fences, the re-read that rebuilds the dedupe window.
+        if let Some(window) = state.window.as_mut().filter(|w| w.expects(offset)) {
+            match decoder.identified(message.payload(), timestamp) {
+                Ok((like, id)) => {
+                    window.observe(offset, timestamp, &like, id);
+                }
+                Err(_) => window.pass(offset),
+            }
+            return Intake::Dropped;
+        }
+        return Intake::BelowFence;
     }
     let start = state.next.unwrap_or(offset);
     if state.batch.is_empty() && timestamp > 0 {
@@ -151,8 +246,27 @@ pub(super) fn accept(
         let waited = (crate::domain::versions::wall_ms() - timestamp).max(0) as u64;
         metrics::stage("fetch", std::time::Duration::from_millis(waited));
     }
-    match decoder.event(message.payload(), timestamp) {
-        Ok(like) => {
+    match decoder.identified(message.payload(), timestamp) {
+        Ok((like, event_id)) => {
+            let skip = state
+                .window
+                .as_mut()
+                .filter(|w| w.expects(offset))
+                .and_then(|w| w.observe(offset, timestamp, &like, event_id));
+            if let Some(reason) = skip {
+                // Offsets an earlier owner applied were counted there.
+                if state
+                    .known
+                    .as_ref()
+                    .is_none_or(|(_, t)| offset > t.highest())
+                {
+                    metrics::duplicates_skipped(reason.as_str(), 1);
+                }
+                state.batch.add_applied(start, offset);
+                state.next = Some(offset + 1);
+                state.buffered(timestamp);
+                return Intake::Taken;
+            }
             let id = routes.counter(like.post_id, like.user_id, timestamp);
             let already_in = state.known.as_ref().is_some_and(|(_, t)| {
                 offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
@@ -166,6 +280,9 @@ pub(super) fn accept(
         Err(reason) => {
             warn!(partition, offset, %reason, "Bad message skipped.");
             metrics::bad_message(reason.as_str());
+            if let Some(window) = state.window.as_mut().filter(|w| w.expects(offset)) {
+                window.pass(offset);
+            }
             state.batch.add_bad(start, offset);
             if let Some(dead_letters) = dead_letters {
                 state.letters.push(dead_letters.send(DeadLetter {
@@ -179,8 +296,46 @@ pub(super) fn accept(
         }
     }
     state.next = Some(offset + 1);
-    state.newest_seen_ms = state.newest_seen_ms.max(timestamp);
-    true
+    state.buffered(timestamp);
+    Intake::Taken
+}
+
+/// Gives a partition that starts at its fences a fresh dedupe window, and
+/// places the consumer where the window is re-read from. Without known
+/// fences the window starts where reading does; the first batch then
+/// re-reads (see `scripts`) unless that is the origin.
+pub(super) fn restart_window(partition: i32, state: &mut Owned, dedupe: DedupeSettings) {
+    if !dedupe.on() {
+        state.window = None;
+        return;
+    }
+    let Some((origin, tracker)) = &state.known else {
+        state.window = Some(Window::new(dedupe, state.next));
+        return;
+    };
+    let resume = tracker.resume_at();
+    let from = dedupe.rewind(*origin, resume);
+    state.window = Some(Window::new(dedupe, Some(from)));
+    if from < resume {
+        info!(
+            partition,
+            from, resume, "Re-reading the dedupe window below the fences."
+        );
+        state.pending_seek = Some(from);
+    }
+}
+
+/// Sets the dedupe gauges: the time each window covers, and the events all
+/// of them remember.
+pub(super) fn report_windows(owned: &HashMap<i32, Owned>) {
+    let mut remembered = 0;
+    for (&partition, state) in owned {
+        if let Some(window) = &state.window {
+            remembered += window.len();
+            metrics::dedupe_window(partition, window.covers_seconds());
+        }
+    }
+    metrics::dedupe_remembered(remembered);
 }
 
 /// Notices a consumer that owns no partition for long. A group member can

@@ -56,6 +56,9 @@ pub(super) struct Job {
     pub(super) dead_letters: Option<Arc<DeadLetters>>,
     pub(super) abandon: CancellationToken,
     pub(super) pause: Duration,
+    /// Dedupe is on: a batch read before the fences were known was decided
+    /// by a window that started with it, which is right only at the origin.
+    pub(super) dedupe: bool,
 }
 
 impl Job {
@@ -95,7 +98,7 @@ impl Job {
                     &self.abandon,
                 )
                 .await?;
-                if !fits {
+                if !fits || (self.dedupe && known.0 < self.batch.start) {
                     return Ok(Finished::Resync { known });
                 }
                 let scripts = plan(

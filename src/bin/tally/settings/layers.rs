@@ -5,12 +5,20 @@
 //! per librdkafka key in the same order (the file's table, then `-X` or
 //! `TALLY_KAFKA_CONFIG` on top). A file key tally does not know is an error
 //! that names the key and its line; nothing in a file is silently ignored.
+//!
+//! The commands that read or change stored counts without consuming (`count`,
+//! `serve`, `inspect`, `gc`, `promote`, `demote`, `rebucket`) take the same
+//! file and `TALLY_CONFIG` through [`ConfigArg`], and layer their flag groups
+//! of `tally run`'s settings ([`super::StoreArgs`], [`super::RegistryWaitArgs`])
+//! over it the same way: one file in a pod serves every command run there.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::Deserialize as _;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use tally::infra::config::{ConfigError, bad};
 
@@ -137,6 +145,65 @@ fn merge(
     config.test_script_pause_ms = cli.test_script_pause_ms;
     config.accept_lost_counts = cli.accept_lost_counts;
     Ok(config)
+}
+
+/// The settings file of a command that reads or changes stored counts.
+#[derive(Clone, Args)]
+pub struct ConfigArg {
+    /// TOML file with settings, the one `tally run --config` reads; this command takes the
+    /// settings it shares with `tally run` (Redis, prefix, registry waits) from it, under its
+    /// flags and TALLY_* variables.
+    #[arg(long, env = "TALLY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+impl ConfigArg {
+    /// `group`, one of `tally run`'s flag groups as parsed from `matches`,
+    /// with the file's value for every flag neither given nor set by its
+    /// variable.
+    pub fn layer<T>(&self, group: &T, matches: &ArgMatches) -> Result<T, Vec<ConfigError>>
+    where
+        T: Args + Serialize + DeserializeOwned,
+    {
+        let from_cli = table(group)?;
+        let Some(path) = &self.config else {
+            return toml::Value::Table(from_cli)
+                .try_into()
+                .map_err(|e: toml::de::Error| vec![bad("config", e.message().to_string())]);
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            vec![bad(
+                "config",
+                format!("cannot read {}: {e}", path.display()),
+            )]
+        })?;
+        let from_file = table(&parse_file(path, &text)?)?;
+        let mut merged = toml::Table::new();
+        for arg in T::augment_args(clap::Command::new("tally")).get_arguments() {
+            let id = arg.get_id().as_str();
+            let key = id.replace('_', "-");
+            let given = matches!(
+                matches.value_source(id),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            );
+            let value = if given {
+                from_cli.get(&key)
+            } else {
+                from_file.get(&key)
+            };
+            if let Some(value) = value {
+                merged.insert(key, value.clone());
+            }
+        }
+        toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| vec![bad("config", e.message().to_string())])
+    }
+}
+
+/// Settings as a TOML table.
+fn table(settings: &impl Serialize) -> Result<toml::Table, Vec<ConfigError>> {
+    toml::Table::try_from(settings).map_err(|e| vec![bad("config", e.to_string())])
 }
 
 /// The line (1-based) that sets `key`, or opens a table named `key`.

@@ -46,7 +46,7 @@ use rustc_hash::FxHashMap;
 
 use crate::tools::produce::{Plan, progress_bar, send};
 use report::{render, thousands, write_between_markers};
-use services::{start_redis, start_kafka};
+use services::{start_kafka, start_redis};
 use tally::generate::TrafficShape;
 use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
 use tally::read::Reader;

@@ -20,7 +20,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::tools::local::{Service, create_topic, start_redis, start_kafka};
+use crate::tools::local::{Service, create_topic, start_kafka, start_redis};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tally::domain::routing::KeyLayout;
 use tally::generate::{Traffic, TrafficShape};

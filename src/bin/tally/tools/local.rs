@@ -132,8 +132,8 @@ pub fn start_kafka(dir: &Path) -> Result<(Service, String)> {
     let log = home.join("broker.log");
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let started = std::fs::read_to_string(&log)
-            .is_ok_and(|text| text.contains("Kafka Server started"));
+        let started =
+            std::fs::read_to_string(&log).is_ok_and(|text| text.contains("Kafka Server started"));
         if started {
             return Ok((service, format!("127.0.0.1:{port}")));
         }
@@ -166,7 +166,8 @@ pub fn create_topic(brokers: &str, topic: &str, partitions: u32) -> Result<()> {
             bail!("could not create topic {name} on {brokers}: {code}");
         }
     }
-    let consumer: BaseConsumer = tally::infra::config::kafka_client_config(brokers, &[]).create()?;
+    let consumer: BaseConsumer =
+        tally::infra::config::kafka_client_config(brokers, &[]).create()?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ready = consumer

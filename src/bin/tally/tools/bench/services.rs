@@ -11,7 +11,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rustc_hash::FxHashMap;
 use tally::domain::proto::Action;
 
-pub use crate::tools::local::{create_topic, start_redis, start_kafka};
+pub use crate::tools::local::{create_topic, start_kafka, start_redis};
 
 /// A command for this same binary, with no `TALLY_*` setting inherited, so
 /// children run with defaults and the flags given here only.
