@@ -12,6 +12,7 @@
 //! redacted display form ([`RedisUrl`]), and secrets are read once, here,
 //! from their values or files.
 
+pub mod dedupe;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -811,7 +812,7 @@ pub struct RunSettings {
     pub schema_ids: Vec<u32>,
     /// Which repeated records change no count, within how many offsets (see
     /// [`crate::pipeline::dedupe`]).
-    pub dedupe: crate::pipeline::dedupe::DedupeSettings,
+    pub dedupe: dedupe::DedupeSettings,
 }
 
 impl RunSettings {
@@ -878,7 +879,7 @@ impl RunSettings {
             "each id must be between 1 and 2147483647 (Schema Registry ids are positive 32-bit integers)",
         );
         check(
-            (1..=crate::pipeline::dedupe::MAX_WINDOW).contains(&self.dedupe.span),
+            (1..=dedupe::MAX_WINDOW).contains(&self.dedupe.span),
             "dedupe-window",
             "must be between 1 and 100000000 offsets",
         );

@@ -103,6 +103,8 @@ pub const FENCE_AHEAD: &str = "tally_fence_ahead_partitions";
 pub const DUPLICATES_SKIPPED: &str = "tally_duplicates_skipped_total";
 /// Per partition, the seconds of record time the dedupe window covers.
 pub const DEDUPE_WINDOW_SECONDS: &str = "tally_dedupe_window_seconds";
+/// The reasons of [`DUPLICATES_SKIPPED`], as the dedupe stage labels them.
+pub const DUPLICATE_REASONS: [&str; 2] = ["event_id", "repeat_action"];
 /// Events the dedupe windows of this consumer remember, over its partitions.
 pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
 
@@ -348,8 +350,8 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(REGISTRY_UNREPLICATED, "step" => step).absolute(0);
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
-    for reason in crate::pipeline::dedupe::Skip::ALL {
-        counter!(DUPLICATES_SKIPPED, "reason" => reason.as_str()).absolute(0);
+    for reason in DUPLICATE_REASONS {
+        counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
     gauge!(DEDUPE_REMEMBERED).set(0.0);
     gauge!(ROUTED_POSTS).set(0.0);
