@@ -45,7 +45,7 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         command: "inspect",
-        needs: &["ping", "get", "hget", "hgetall"],
+        needs: &["ping", "get", "hget", "hmget", "hgetall"],
         warns: &[],
     },
     Rule {
