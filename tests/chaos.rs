@@ -14,7 +14,10 @@
 //! 9. `broker-empty`: the broker comes back empty while Redis keeps its fences: refused, then
 //!    counted again from the new log's start after `tally reset-fences`;
 //! 10. `wrong-clocks`: likes stamped a day and a thousand years ahead among real traffic, with
-//!     consumers SIGKILLed in between.
+//!     consumers SIGKILLed in between;
+//! 11. `duplicates`: a producer that delivers at least once (repeated event ids, some in the same
+//!     batch and some later, id-less double taps, like-like-unlike) under `--dedupe
+//!     ids-and-actions`, with consumers SIGKILLed and a rebalance; the truth counts each like once.
 //!
 //! `TALLY_CHAOS_MODE=quick|long` picks the sizes (default quick); `TALLY_CHAOS_ONLY=a,b` runs
 //! only the named scenarios. One table row per scenario is printed at the end; the test fails
@@ -25,6 +28,8 @@
 mod cluster;
 mod common;
 
+#[path = "chaos/duplicates.rs"]
+mod duplicates;
 #[path = "chaos/input.rs"]
 mod input;
 #[path = "chaos/processes.rs"]
@@ -114,7 +119,7 @@ impl Settings {
 
 type ScenarioFn = fn(&Settings, &mut Row, &mut Leaks);
 
-const SCENARIOS: [(&str, ScenarioFn); 10] = [
+const SCENARIOS: [(&str, ScenarioFn); 11] = [
     ("kills", processes::random_kills),
     ("scaling", processes::scaling),
     ("zombie", processes::zombie),
@@ -125,6 +130,7 @@ const SCENARIOS: [(&str, ScenarioFn); 10] = [
     ("hostile", input::hostile),
     ("broker-empty", input::broker_empty),
     ("wrong-clocks", input::wrong_clocks),
+    ("duplicates", duplicates::duplicates),
 ];
 
 #[test]

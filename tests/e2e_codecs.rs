@@ -6,6 +6,9 @@
 //! * Schema Registry framing: values framed by hand as Confluent's serializers frame them
 //!   (magic byte 0, schema id, message-index list) are counted like plain ones, and framings
 //!   that are cut short or name another message are dead-lettered with their reason.
+//! * Producers that deliver at least once: likes the Python client encodes itself, event ids
+//!   (`LikeEvent` field 5) included, and publishes partly again (right behind the first copy and
+//!   later), beside id-less double taps, are counted once with `--dedupe ids-and-actions`.
 //!
 //! Tansu 0.6 answers a fetch from an offset inside a multi-message batch with the next batch,
 //! skipping the rest of the one holding the offset (see `produce_positions`). So each test reads
@@ -449,6 +452,153 @@ fn framed_values_with_unknown_schema_ids_are_dead_lettered_when_ids_are_checked(
         }
     }
     assert_eq!(found.len(), unknown, "dead letters of unknown schema ids");
+
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success(), "tally exited with {status} after SIGTERM");
+}
+
+/// One like for `produce.py --events`: partition, post, user, action, time (ms) and event id
+/// (empty for none).
+type Like = (i32, u64, u64, i32, i64, String);
+
+/// Likes as a producer that delivers at least once makes them, before the Python client
+/// publishes some of the id'd ones again: likes and unlikes with event ids, id-less double taps
+/// and like-like-unlike sequences, each by a (post, user) pair of its own on posts in
+/// `base + 1 ..= base + 200`. Returns the likes, the truth (each like once) and how many id-less
+/// records repeat their pair's last action.
+fn likes_with_repeats(
+    rng: &mut StdRng,
+    base: u64,
+    count: usize,
+) -> (Vec<Like>, HashMap<u64, i64>, u64) {
+    let mut likes: Vec<Like> = Vec::with_capacity(count + 2);
+    let mut truth = HashMap::new();
+    let mut liked: Vec<(i32, u64, u64)> = Vec::new();
+    let mut repeats = 0;
+    let t = now_ms();
+    while likes.len() < count {
+        let post = base + rng.random_range(1..=200);
+        let (user, partition) = (
+            rng.random_range(1..=u64::MAX),
+            rng.random_range(0..PARTITIONS),
+        );
+        let id = format!("py-{:x}-{}", base, likes.len());
+        let at = t + likes.len() as i64;
+        let roll = rng.random_range(0..100);
+        if roll < 55 {
+            likes.push((partition, post, user, LIKE, at, id));
+            liked.push((partition, post, user));
+            *truth.entry(post).or_insert(0) += 1;
+        } else if roll < 65 && !liked.is_empty() {
+            let (p, post, user) = liked.swap_remove(rng.random_range(0..liked.len()));
+            likes.push((p, post, user, UNLIKE, at, id));
+            *truth.entry(post).or_insert(0) -= 1;
+        } else if roll < 85 {
+            // A double tap: one like, sent twice without an id.
+            for _ in 0..2 {
+                likes.push((partition, post, user, LIKE, at, String::new()));
+            }
+            *truth.entry(post).or_insert(0) += 1;
+            repeats += 1;
+        } else {
+            // Like, like, unlike: the user ends where they began.
+            for action in [LIKE, LIKE, UNLIKE] {
+                likes.push((partition, post, user, action, at, String::new()));
+            }
+            repeats += 1;
+        }
+    }
+    (likes, truth, repeats)
+}
+
+/// Has `produce.py --events` encode and produce `likes` in order with `compression`, publishing
+/// a `resend` share of the id'd ones again; returns its report.
+fn python_produce_likes(
+    brokers: &str,
+    topic: &str,
+    compression: &str,
+    likes: &[Like],
+    resend: f64,
+    seed: u64,
+) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("likes.tsv");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&input).unwrap());
+    for (partition, post, user, action, at, id) in likes {
+        writeln!(file, "{partition}\t{post}\t{user}\t{action}\t{at}\t{id}").unwrap();
+    }
+    file.into_inner().unwrap().sync_all().unwrap();
+    let out = Command::new("python3")
+        .arg(script())
+        .args(["--brokers", brokers, "--topic", topic])
+        .args(["--compression", compression, "--events"])
+        .args(["--resend", &resend.to_string(), "--seed", &seed.to_string()])
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap_or_else(|e| panic!("python3 cannot be run ({e}); run: {PYTHON_INSTALL}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(0) => {}
+        Some(2) => {
+            panic!("the Python Kafka client is not installed; run: {PYTHON_INSTALL}\n{stderr}")
+        }
+        _ => panic!("produce.py --events failed ({}):\n{stderr}", out.status),
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("produce.py prints one JSON object");
+    assert_eq!(report["delivered"], likes.len() as u64, "{report}");
+    report
+}
+
+#[test]
+fn likes_the_python_client_publishes_again_are_counted_once() {
+    require_python_kafka();
+    let run = Scenario::new("e2e_codecs", "resend", PARTITIONS);
+    let mut rng = StdRng::seed_from_u64(run.seed);
+    let redis = RedisServer::start();
+    let (likes, truth, action_repeats) = likes_with_repeats(&mut rng, 5_000_000_000, 20_000);
+    let report = python_produce_likes(&run.brokers, &run.topic, "zstd", &likes, 0.25, run.seed);
+    let number = |key: &str| {
+        report[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {report}"))
+    };
+    let (resent, later) = (number("resent"), number("resent_later"));
+    eprintln!(
+        "[e2e_codecs] {} likes, {resent} published again ({later} later, the rest right behind \
+         the first copy), {action_repeats} id-less repeats, in {} record batches by {}",
+        likes.len(),
+        number("batches"),
+        report["client"]
+    );
+    assert!(later > 0 && resent > later, "{report}");
+    let hwms = run.hwms(likes.len() + resent as usize);
+
+    // The default window (1,000,000 offsets a partition) spans the whole topic: every copy is
+    // a repeat the rule must find.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--dedupe", "ids-and-actions", "--metrics-addr", &metrics].map(String::from));
+    let mut tally = Tally::spawn_args("tally", &args);
+    let mut conn = redis.conn();
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        tally.assert_running()
+    });
+    run.assert_exact(&mut conn, &truth);
+
+    // One run, never restarted, decides every record once: each copy is skipped once, by its
+    // reason.
+    let text = scrape_metrics(&metrics);
+    let skipped = |reason: &str| {
+        let series = format!("tally_duplicates_skipped_total{{reason=\"{reason}\"}}");
+        metric_value(&text, &series).unwrap_or(0.0) as u64
+    };
+    assert_eq!(
+        (skipped("event_id"), skipped("repeat_action")),
+        (resent, action_repeats),
+        "(skipped ids, skipped actions) against (copies sent, id-less repeats made)"
+    );
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");

@@ -23,6 +23,8 @@
 //! - `kafka`: Apache Kafka nodes and clusters (and Tansu), Kafka's command-line tools.
 //! - `topics`: topics, the producer, watermarks, topic readers.
 //! - `workload`: the hand-made event encoding, the workload generator, count comparison.
+//! - `dupes`: a producer that delivers at least once (repeated ids, double taps), with a truth
+//!   that counts each like once.
 //! - `redis_server`: private redis-server instances (with AOF), counters and fences.
 //! - `binary`: the `tally` process under test.
 //! - `metrics`: scraping and parsing its Prometheus endpoint.
@@ -35,6 +37,7 @@
 #![allow(dead_code, unused_imports)]
 
 mod binary;
+mod dupes;
 mod kafka;
 mod metrics;
 mod process;
@@ -53,6 +56,7 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 
 pub use binary::*;
+pub use dupes::*;
 pub use kafka::*;
 pub use metrics::*;
 pub use process::file_tail;

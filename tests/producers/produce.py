@@ -13,10 +13,19 @@ object on stdout:
 
 where B, M and L come from librdkafka's statistics (the record batches the producer sent and
 the messages in them). Exits 2 when the client is not installed, 1 when a delivery fails.
+
+With --events, each line is a like instead, encoded here as `tally.v1.LikeEvent` by hand:
+`PARTITION<TAB>POST_ID<TAB>USER_ID<TAB>ACTION<TAB>TIME_MS<TAB>EVENT_ID` (an empty EVENT_ID
+means none). With --resend SHARE, that share of the records carrying an event id is published
+again, as an outbox relay that restarts does: half right behind the first copy (so usually in
+the same record batch), half after up to --resend-gap more records or, for those still waiting
+at the end, after everything else is delivered (a later batch). The report then also holds
+"resent" and "resent_later", and --positions lists the first copies only.
 """
 
 import argparse
 import json
+import random
 import sys
 
 try:
@@ -25,6 +34,45 @@ try:
 except ImportError as error:  # the Rust test turns this into an install hint
     print(f"confluent-kafka is not importable: {error}", file=sys.stderr)
     sys.exit(2)
+
+
+def varint(value):
+    """A protobuf varint: base 128, least significant group first."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def like_event(post_id, user_id, action, time_ms, event_id):
+    """`tally.v1.LikeEvent` as proto3 encoders write it: fields in number order, zeros and an
+    empty event id left out; `action` is an int32 enum, sign-extended to 64 bits on the wire;
+    `event_id` (field 5) is a string: wire type 2, its length, its UTF-8 bytes."""
+    out = bytearray()
+    for number, value in ((1, post_id), (2, user_id), (3, action), (4, time_ms)):
+        if value:
+            out += varint(number << 3) + varint(value & 0xFFFFFFFFFFFFFFFF)
+    if event_id:
+        data = event_id.encode("utf-8")
+        out += varint((5 << 3) | 2) + varint(len(data)) + data
+    return bytes(out)
+
+
+def read_messages(path, events):
+    """(partition, key, value, has an event id) for every line of the input."""
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            fields = line.rstrip("\n").split("\t")
+            if events:
+                partition, post, user, action, time_ms, event_id = fields
+                value = like_event(int(post), int(user), int(action), int(time_ms), event_id)
+                yield int(partition), None, value, bool(event_id)
+            else:
+                partition, key, value = fields
+                key = bytes.fromhex(key) if key else None
+                yield int(partition), key, bytes.fromhex(value), False
 
 
 def main():
@@ -38,7 +86,23 @@ def main():
     parser.add_argument(
         "--positions", help="write `LINE<TAB>PARTITION<TAB>OFFSET` here for every message"
     )
+    parser.add_argument(
+        "--events", action="store_true", help="the input holds likes to encode, not values"
+    )
+    parser.add_argument(
+        "--resend",
+        type=float,
+        default=0.0,
+        help="share of the records with an event id to publish again (with --events)",
+    )
+    parser.add_argument(
+        "--resend-gap", type=int, default=2000, help="records a later copy waits at most"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the resend choices")
     args = parser.parse_args()
+    if args.resend and not args.events:
+        parser.error("--resend needs --events")
+    rng = random.Random(args.seed)
 
     batches = {"count": 0, "messages": 0, "largest": 0}
 
@@ -68,40 +132,66 @@ def main():
 
     failures = []
     positions = {}
+    copies = {"delivered": 0}
 
     def delivery(line):
         def on_delivery(error, message):
             if error is not None:
                 failures.append(f"line {line}, partition {message.partition()}: {error}")
+            elif line is None:
+                copies["delivered"] += 1
             else:
                 positions[line] = (message.partition(), message.offset())
 
         return on_delivery
 
+    def send(partition, key, value, line):
+        while True:
+            try:
+                producer.produce(
+                    args.topic,
+                    value=value,
+                    key=key,
+                    partition=partition,
+                    on_delivery=delivery(line),
+                )
+                return
+            except BufferError:
+                producer.poll(0.1)
+
     sent = 0
-    with open(args.input, encoding="ascii") as lines:
-        for line in lines:
-            partition, key, value = line.rstrip("\n").split("\t")
-            while True:
-                try:
-                    producer.produce(
-                        args.topic,
-                        value=bytes.fromhex(value),
-                        key=bytes.fromhex(key) if key else None,
-                        partition=int(partition),
-                        on_delivery=delivery(sent),
-                    )
-                    break
-                except BufferError:
-                    producer.poll(0.1)
-            sent += 1
-            producer.poll(0)
+    resent = {"now": 0, "later": 0}
+    # Copies waiting for their turn: (records still to send before it, partition, key, value).
+    waiting = []
+    for partition, key, value, has_id in read_messages(args.input, args.events):
+        send(partition, key, value, sent)
+        sent += 1
+        if has_id and rng.random() < args.resend:
+            if rng.random() < 0.5:
+                send(partition, key, value, None)
+                resent["now"] += 1
+            else:
+                waiting.append([rng.randint(1, args.resend_gap), partition, key, value])
+        for copy in waiting:
+            copy[0] -= 1
+        for _, partition, key, value in [c for c in waiting if c[0] <= 0]:
+            send(partition, key, value, None)
+            resent["later"] += 1
+        waiting = [c for c in waiting if c[0] > 0]
+        producer.poll(0)
     remaining = producer.flush(120)
+    # What still waits goes out after every first copy is delivered: in later batches.
+    for _, partition, key, value in waiting:
+        send(partition, key, value, None)
+        resent["later"] += 1
+    remaining += producer.flush(120)
     # One more statistics report after the last delivery.
     producer.poll(0.5)
-    if remaining or failures or len(positions) != sent:
+    copies_sent = resent["now"] + resent["later"]
+    if remaining or failures or len(positions) != sent or copies["delivered"] != copies_sent:
         print(
-            f"{sent} sent, {len(positions)} delivered, {remaining} undelivered; "
+            f"{sent} sent, {len(positions)} delivered, {copies_sent} copies sent, "
+            f"{copies['delivered']} delivered, {remaining} undelivered; "
             f"failures: {failures[:10]}",
             file=sys.stderr,
         )
@@ -118,6 +208,8 @@ def main():
                 "batches": batches["count"],
                 "batched_messages": batches["messages"],
                 "largest_batch": batches["largest"],
+                "resent": copies_sent,
+                "resent_later": resent["later"],
                 "compression": args.compression,
                 "client": f"confluent-kafka {confluent_kafka.__version__} "
                 f"(librdkafka {confluent_kafka.libversion()[0]})",

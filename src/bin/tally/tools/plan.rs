@@ -35,6 +35,7 @@
 //! line always prints the same plan.
 
 mod compute;
+mod dedupe;
 mod model;
 mod table;
 mod warn;
@@ -44,9 +45,11 @@ use serde::Serialize;
 
 use crate::settings::StoreArgs;
 use tally::domain::placement::SlotMap;
+use tally::infra::config::dedupe::MAX_WINDOW;
 use tally::infra::config::{ConfigError, DEFAULT_FLUSH_INTERVAL_MS};
 
 pub use compute::plan;
+pub use dedupe::{Dedupe, MEASURED_BYTES_PER_EVENT};
 pub use model::keys_needed;
 
 /// Events/s of one `tally run` consumer in docs/benchmarks.md (145,077 and 145,570 on 2 cores).
@@ -111,6 +114,18 @@ pub struct PlanArgs {
     /// Seed of the simulations.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Price a dedupe window of this many offsets a partition, as `tally run --dedupe-window`
+    /// [default: none priced].
+    #[arg(long)]
+    pub dedupe_window: Option<u64>,
+    /// Heap bytes one event the dedupe window remembers costs (bytes; measured for a full window
+    /// of a realistic mix).
+    #[arg(long, default_value_t = MEASURED_BYTES_PER_EVENT)]
+    pub dedupe_bytes: f64,
+    /// Records a consumer re-reads a partition's dedupe window at, on assignment (records/s)
+    /// [default: --consumer-events, which also writes to Redis, so an upper bound on the time].
+    #[arg(long)]
+    pub reread_events: Option<f64>,
     /// Take the slot map of the live server or cluster --redis names
     /// (redis+cluster://host:port,...) instead of an even split.
     #[arg(long)]
@@ -138,6 +153,9 @@ pub struct Plan {
     pub hot_post: HotPost,
     /// Primaries and their load.
     pub redis: Redis,
+    /// The dedupe window's price, with `--dedupe-window`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dedupe: Option<Dedupe>,
     /// Problems found, in words.
     pub warnings: Vec<String>,
 }
@@ -313,6 +331,8 @@ fn validate(args: &PlanArgs) -> Result<(), ConfigError> {
         ("primary-capacity", args.primary_capacity),
         ("consumer-events", args.consumer_events),
         ("increments-per-event", args.increments_per_event),
+        ("dedupe-bytes", args.dedupe_bytes),
+        ("reread-events", args.reread_events.unwrap_or(1.0)),
     ] {
         check(
             !(value.is_finite() && value > 0.0),
@@ -354,6 +374,10 @@ fn validate(args: &PlanArgs) -> Result<(), ConfigError> {
     check(buckets, "buckets", "must be between 1 and 1048576")?;
     let groups = !args.store.slot_groups.is_power_of_two() || args.store.slot_groups > 16_384;
     check(groups, "slot-groups", "must be a power of two up to 16384")?;
+    let window = args
+        .dedupe_window
+        .is_some_and(|w| !(1..=MAX_WINDOW).contains(&w));
+    check(window, "dedupe-window", "must be between 1 and 100000000")?;
     let trials = !(100..=1_000_000).contains(&args.trials);
     check(trials, "trials", "must be between 100 and 1000000")
 }

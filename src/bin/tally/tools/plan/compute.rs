@@ -69,11 +69,13 @@ pub fn plan(args: &PlanArgs, live: Option<SlotMap>) -> Result<Plan, ConfigError>
         None => even_split(args, &load),
     };
     let warnings = super::warn::warnings(args, &kafka, &hot_post, &redis);
+    let dedupe = super::dedupe::dedupe(args, &kafka);
     Ok(Plan {
         inputs: args.clone(),
         kafka,
         hot_post,
         redis,
+        dedupe,
         warnings,
     })
 }
@@ -258,6 +260,7 @@ fn place(
 
 #[cfg(test)]
 mod tests {
+    use super::super::MEASURED_BYTES_PER_EVENT;
     use super::*;
     use crate::settings::parse_flags;
 
@@ -330,6 +333,46 @@ mod tests {
         let error = |flags: &[&str]| plan(&parse_flags(flags).unwrap(), None).unwrap_err().flag;
         assert_eq!(error(&["--hot-events", "300000"]), "hot-events");
         assert_eq!(error(&["--slot-groups", "100"]), "slot-groups");
+        assert_eq!(error(&["--dedupe-window", "0"]), "dedupe-window");
+        assert_eq!(error(&["--dedupe-window", "100000001"]), "dedupe-window");
+        assert_eq!(error(&["--reread-events", "0"]), "reread-events");
+    }
+
+    #[test]
+    fn the_dedupe_window_is_priced_only_when_asked() {
+        assert!(
+            plan_of("--peak-events 120000 --hot-events 14000")
+                .dedupe
+                .is_none()
+        );
+        // 4 partitions of 30,000 events/s, 2 each for 2 consumers.
+        let flags = "--peak-events 120000 --hot-events 14000 --dedupe-window 1000000";
+        let d = plan_of(flags).dedupe.expect("priced");
+        assert_eq!(d.bytes_per_event, MEASURED_BYTES_PER_EVENT);
+        assert_eq!(d.bytes_per_partition, 1e6 * MEASURED_BYTES_PER_EVENT);
+        assert_eq!(d.partitions_per_consumer, 2);
+        assert_eq!(d.bytes_per_consumer, 2.0 * d.bytes_per_partition);
+        assert!((d.covers_seconds - 1e6 / 30_000.0).abs() < 1e-9);
+        // Re-read at the consumer's measured rate unless told otherwise.
+        assert!((d.reread_partition_seconds - 1e6 / 145_000.0).abs() < 1e-9);
+        assert!((d.reread_consumer_seconds - 2e6 / 145_000.0).abs() < 1e-9);
+        let faster = plan_of(&format!(
+            "{flags} --reread-events 500000 --dedupe-bytes 100"
+        ));
+        let f = faster.dedupe.expect("priced");
+        assert_eq!(
+            (f.reread_partition_seconds, f.bytes_per_partition),
+            (2.0, 1e8)
+        );
+        // An uneven share: 5 partitions over 2 consumers, so one owns 3.
+        let uneven = plan_of(&format!("{flags} --partitions 5"));
+        assert_eq!(uneven.dedupe.expect("priced").partitions_per_consumer, 3);
+        let table = super::super::table::render(&plan_of(flags));
+        assert!(
+            table.contains("Dedupe window (1,000,000 offsets a partition)"),
+            "{table}"
+        );
+        assert!(table.contains("144 MB"), "{table}");
     }
 
     #[test]
@@ -349,5 +392,15 @@ mod tests {
                 "docs/sizing.md is stale for `tally plan {flags}`"
             );
         }
+        // The dedupe example shows its own section only.
+        let table = super::super::table::render(&plan_of(
+            "--peak-events 120000 --hot-events 14000 --dedupe-window 1000000",
+        ));
+        let at = table.find("Dedupe window").expect("a dedupe section");
+        let section = &table[at..table.find("\nWarnings").expect("warnings")];
+        assert!(
+            doc.contains(section),
+            "docs/sizing.md is stale for the dedupe window:\n{section}"
+        );
     }
 }

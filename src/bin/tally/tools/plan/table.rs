@@ -50,6 +50,7 @@ pub fn render(plan: &Plan) -> String {
     hot_post(&mut out, plan);
     redis(&mut out, plan);
     busiest_primary(&mut out, plan);
+    dedupe(&mut out, plan);
     warnings(&mut out, &plan.warnings);
     out
 }
@@ -180,6 +181,66 @@ fn busiest_primary(out: &mut String, plan: &Plan) {
     row(out, "  busiest primary, worst", &n(mc.max_ops), "calls/s");
 }
 
+/// Bytes in decimal units, as memory is priced: 1.6e8 → "160 MB".
+pub fn bytes(value: f64) -> String {
+    let units = [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")];
+    match units.iter().find(|(size, _)| value >= *size) {
+        Some((size, unit)) if value / size < 10.0 => format!("{:.1} {unit}", value / size),
+        Some((size, unit)) => format!("{:.0} {unit}", value / size),
+        None => format!("{value:.0} B"),
+    }
+}
+
+/// A duration in the largest unit that keeps it above one: 1,020 → "17 min".
+pub fn duration(seconds: f64) -> String {
+    let units = [(86_400.0, "d"), (3_600.0, "h"), (60.0, "min")];
+    match units.iter().find(|(size, _)| seconds >= *size) {
+        Some((size, unit)) if seconds / size < 10.0 => format!("{:.1} {unit}", seconds / size),
+        Some((size, unit)) => format!("{:.0} {unit}", seconds / size),
+        None if seconds < 10.0 => format!("{seconds:.1} s"),
+        None => format!("{seconds:.0} s"),
+    }
+}
+
+/// The dedupe window's memory, reach and re-read, when one is priced.
+fn dedupe(out: &mut String, plan: &Plan) {
+    let Some(d) = &plan.dedupe else {
+        return;
+    };
+    let (args, kafka) = (&plan.inputs, &plan.kafka);
+    let n = thousands;
+    let _ = writeln!(
+        out,
+        "\nDedupe window ({} offsets a partition)",
+        n(d.window as f64)
+    );
+    let at = format!(
+        "at the peak, {} events/s a partition",
+        n(kafka.events_per_partition)
+    );
+    row(out, "covers", &duration(d.covers_seconds), &at);
+    let each = format!("{:.0} bytes a remembered event", d.bytes_per_event);
+    row(
+        out,
+        "memory a partition",
+        &bytes(d.bytes_per_partition),
+        &each,
+    );
+    let share = format!("{} partitions", d.partitions_per_consumer);
+    row(
+        out,
+        "memory a consumer",
+        &bytes(d.bytes_per_consumer),
+        &share,
+    );
+    let reread = n(args.reread_events.unwrap_or(args.consumer_events));
+    let rate = format!("a partition, at {reread} records/s");
+    let (one, all) = (d.reread_partition_seconds, d.reread_consumer_seconds);
+    row(out, "re-read at assignment", &duration(one), &rate);
+    let whole = format!("a consumer's {} partitions", d.partitions_per_consumer);
+    row(out, "", &duration(all), &whole);
+}
+
 /// The warnings as a list, or "none".
 fn warnings(out: &mut String, warnings: &[String]) {
     let _ = writeln!(out, "\nWarnings");
@@ -201,6 +262,12 @@ mod tests {
         assert_eq!(thousands(999.6), "1,000");
         assert_eq!(thousands(10_000_000.0), "10,000,000");
         assert_eq!(thousands(-1_234.0), "-1,234");
+        assert_eq!(bytes(1.6e8), "160 MB");
+        assert_eq!(bytes(2.5e9), "2.5 GB");
+        assert_eq!(bytes(512.0), "512 B");
+        assert_eq!(duration(1_020.0), "17 min");
+        assert_eq!(duration(4.0 * 86_400.0), "4.0 d");
+        assert_eq!(duration(6.9), "6.9 s");
         let mut out = String::new();
         item(&mut out, &"word ".repeat(60));
         assert!(out.lines().count() > 2);
