@@ -3,12 +3,16 @@
 //! (`tally::infra::metrics::ALL`), the Prometheus rule files and the PrometheusRule
 //! carry the same alerts, each with a `for:`, a runbook link and promtool unit
 //! tests that fire and that stay quiet (run here with promtool), the dashboard
-//! filters by namespace, job and instance, the shipped settings file is
-//! valid, `kubectl kustomize deploy/` renders what KEDA and Kubernetes need
-//! (no replicas, hashed ConfigMaps, the Kafka cluster, topic and group written
-//! once, required secrets, the SASL component), KEDA never scales past the
-//! partition count, and `docker compose config` accepts `docker-compose.yml`
-//! (with and without the cluster profile).
+//! filters by namespace, job and instance, the rules keep namespaces and jobs
+//! apart and name no job, every runbook_url is absolute from one base, the
+//! shipped settings file is valid, `kubectl kustomize` renders the base alone
+//! and with each combination of the optional components (KEDA, the Prometheus
+//! Operator), in one namespace, with what KEDA and Kubernetes need (no
+//! replicas, hashed ConfigMaps, the Kafka cluster, topic and group written
+//! once, required secrets, the read path, the replay tools, the SASL
+//! component), KEDA never scales past the partition count, and `docker
+//! compose config` accepts `docker-compose.yml` (with and without the cluster
+//! profile).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,6 +29,19 @@ const PROMTOOL_INSTALL: &str =
 const RULE_FILES: [&str; 2] = [
     "deploy/prometheus/alerts.yml",
     "deploy/prometheus/kubernetes-alerts.yml",
+];
+
+/// The PrometheusRule, in the Prometheus Operator's component.
+const PROMETHEUS_RULE: &str = "deploy/components/prometheus-operator/prometheusrule.yaml";
+
+/// The optional kustomize components, each needing CRDs a bare cluster lacks, with the kinds
+/// it adds.
+const COMPONENTS: [(&str, &[&str]); 2] = [
+    ("deploy/components/keda", &["ScaledObject"]),
+    (
+        "deploy/components/prometheus-operator",
+        &["ServiceMonitor", "PrometheusRule"],
+    ),
 ];
 
 fn repo() -> PathBuf {
@@ -131,7 +148,7 @@ fn dashboard_exprs() -> Vec<String> {
 
 fn alert_exprs() -> Vec<String> {
     let mut exprs = Vec::new();
-    for file in RULE_FILES.iter().chain(&["deploy/k8s/prometheusrule.yaml"]) {
+    for file in RULE_FILES.iter().chain(&[PROMETHEUS_RULE]) {
         for doc in yaml(&repo().join(file)) {
             yaml_exprs(&doc, &mut exprs);
         }
@@ -282,7 +299,7 @@ fn the_dashboard_shows_dead_letters_progress_and_rebalances_apart() {
 
 #[test]
 fn the_prometheus_rule_carries_the_rule_files() {
-    let rule = &yaml(&repo().join("deploy/k8s/prometheusrule.yaml"))[0];
+    let rule = &yaml(&repo().join(PROMETHEUS_RULE))[0];
     assert_eq!(rule["kind"].as_str(), Some("PrometheusRule"));
     let mut groups = Vec::new();
     for file in RULE_FILES {
@@ -292,7 +309,7 @@ fn the_prometheus_rule_carries_the_rule_files() {
     assert_eq!(
         rule["spec"]["groups"],
         Yaml::Array(groups),
-        "deploy/k8s/prometheusrule.yaml differs from the groups of {RULE_FILES:?}"
+        "{PROMETHEUS_RULE} differs from the groups of {RULE_FILES:?}"
     );
     assert!(
         rule["metadata"]["labels"]["release"].as_str().is_some(),
@@ -329,6 +346,8 @@ fn every_failure_has_an_alert() {
     for needed in [
         "TallyLagGrowing",
         "TallyNoProgress",
+        "TallyCountsStale",
+        "TallyServeErrors",
         "TallyOffsetsSkipped",
         "TallyFenceAhead",
         "TallyBadMessages",
@@ -350,8 +369,31 @@ fn every_failure_has_an_alert() {
     }
 }
 
+/// The runbooks' base URL, written once: tally-runbooks in deploy/kustomization.yaml.
+fn runbook_base() -> String {
+    let kustomization = &yaml(&repo().join("deploy/kustomization.yaml"))[0];
+    let generator = kustomization["configMapGenerator"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"].as_str() == Some("tally-runbooks"))
+        .expect("a tally-runbooks ConfigMap generator");
+    let base = generator["literals"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find_map(|l| l.as_str()?.strip_prefix("base="))
+        .expect("tally-runbooks has base=");
+    assert!(
+        base.starts_with("https://") && !base.contains('#'),
+        "the runbook base {base:?} is an absolute URL without an anchor"
+    );
+    base.to_string()
+}
+
 #[test]
 fn every_alert_waits_and_links_its_runbook() {
+    let base = runbook_base();
     for rule in alert_rules() {
         let name = alert_name(&rule);
         assert!(
@@ -365,7 +407,7 @@ fn every_alert_waits_and_links_its_runbook() {
             ),
             "{name}: severity must be warning or critical"
         );
-        let runbook = format!("docs/operations.md#{}", name.to_lowercase());
+        let runbook = format!("{base}#{}", name.to_lowercase());
         assert_eq!(
             rule["annotations"]["runbook_url"].as_str(),
             Some(runbook.as_str()),
@@ -378,6 +420,65 @@ fn every_alert_waits_and_links_its_runbook() {
             );
         }
     }
+}
+
+/// Each `by (...)` list of a PromQL expression, and whether an aggregation has none.
+fn groupings(expr: &str) -> (Vec<Vec<String>>, bool) {
+    let mut lists = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("by (") {
+        let after = &rest[at + 4..];
+        let end = after.find(')').expect("a closed by (...)");
+        lists.push(
+            after[..end]
+                .split(',')
+                .map(|l| l.trim().to_string())
+                .collect(),
+        );
+        rest = &after[end..];
+    }
+    let bare = ["sum(", "max(", "min(", "avg(", "count(", "group("]
+        .iter()
+        .any(|op| {
+            expr.match_indices(op).any(|(i, _)| {
+                i == 0
+                    || !expr.as_bytes()[i - 1].is_ascii_alphanumeric()
+                        && expr.as_bytes()[i - 1] != b'_'
+            })
+        });
+    (lists, bare)
+}
+
+/// Staging and production in one Prometheus: an aggregation over both would let one hide the
+/// other, and a job name in a rule breaks as soon as a ServiceMonitor or scrape config names
+/// the job otherwise.
+#[test]
+fn rules_keep_namespaces_and_jobs_apart_and_name_no_job() {
+    for rule in alert_rules() {
+        let name = alert_name(&rule);
+        let expr = rule["expr"].as_str().expect("expr");
+        assert!(
+            !expr.contains("job=") && !expr.contains("job =~") && !expr.contains("job=~"),
+            "{name} names a job: {expr}"
+        );
+        let (lists, bare) = groupings(expr);
+        assert!(
+            !bare,
+            "{name} aggregates without `by (namespace, job)`: {expr}"
+        );
+        for list in lists {
+            for needed in ["namespace", "job"] {
+                assert!(
+                    list.iter().any(|l| l == needed),
+                    "{name} aggregates by {list:?}, without {needed}: {expr}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        groupings("sum by (namespace, job) (rate(x[5m])) / sum(y) unless max_over_time(z[1d])"),
+        (vec![vec!["namespace".to_string(), "job".to_string()]], true)
+    );
 }
 
 /// The promtool unit-test files, `deploy/prometheus/tests/*.yml`.
@@ -495,7 +596,7 @@ fn the_shipped_settings_are_valid() {
 
 #[test]
 fn keda_never_scales_past_the_partition_count() {
-    let scaled = &yaml(&repo().join("deploy/k8s/keda-scaledobject.yaml"))[0];
+    let scaled = &yaml(&repo().join("deploy/components/keda/scaledobject.yaml"))[0];
     let max = scaled["spec"]["maxReplicaCount"]
         .as_i64()
         .expect("maxReplicaCount");
@@ -573,10 +674,205 @@ fn env_from<'a>(container: &'a Yaml, name: &str) -> &'a Yaml {
     &var["valueFrom"]
 }
 
+/// `deploy/` with these components (paths under the repository), through an overlay of its
+/// own beside `deploy/` (kustomize refuses one inside the root it builds); `extra` is added to
+/// the overlay's kustomization.
+fn render(components: &[&str], extra: &str) -> Vec<Yaml> {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(repo().join("deploy"), dir.path().join("deploy")).unwrap();
+    let overlay = dir.path().join("overlay");
+    std::fs::create_dir(&overlay).unwrap();
+    let components: Vec<String> = components.iter().map(|c| format!("../{c}")).collect();
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        format!(
+            "resources: [../deploy]\ncomponents: [{}]\n{extra}",
+            components.join(", ")
+        ),
+    )
+    .unwrap();
+    kustomize(&overlay)
+}
+
+/// A bare cluster applies the base; each component adds only its own CRDs' kinds, alone or
+/// together, and everything lands in one namespace.
+#[test]
+fn kustomize_renders_the_base_and_every_component_combination() {
+    let base = kustomize(&repo().join("deploy"));
+    for combination in 0..1 << COMPONENTS.len() {
+        let chosen: Vec<(&str, &[&str])> = COMPONENTS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| combination & (1 << i) != 0)
+            .map(|(_, c)| *c)
+            .collect();
+        let paths: Vec<&str> = chosen.iter().map(|(path, _)| *path).collect();
+        let docs = render(&paths, "");
+        for (path, kinds) in COMPONENTS {
+            for kind in kinds {
+                assert_eq!(
+                    of_kind(&docs, kind).is_empty(),
+                    !paths.contains(&path),
+                    "{kind} is rendered exactly when {path} is chosen ({paths:?})"
+                );
+            }
+        }
+        let core: Vec<&Yaml> = docs
+            .iter()
+            .filter(|d| {
+                !chosen
+                    .iter()
+                    .any(|(_, kinds)| kinds.contains(&d["kind"].as_str().unwrap()))
+            })
+            .collect();
+        assert_eq!(
+            core.len(),
+            base.len(),
+            "{paths:?} changes the base's objects"
+        );
+        let namespace = one_of_kind(&docs, "Namespace")["metadata"]["name"].clone();
+        for doc in &docs {
+            if doc["kind"].as_str() != Some("Namespace") {
+                assert_eq!(
+                    doc["metadata"]["namespace"], namespace,
+                    "{:?} {:?} is not in the example's namespace",
+                    doc["kind"], doc["metadata"]["name"]
+                );
+            }
+            assert!(
+                doc["metadata"]["name"].as_str() != Some("tally-runbooks"),
+                "tally-runbooks is local-config: it is read, not applied"
+            );
+        }
+    }
+}
+
+/// The runbooks' base, set once in an overlay, reaches every rule of the PrometheusRule.
+#[test]
+fn kustomize_writes_the_runbook_base_into_every_rule() {
+    let base = "https://git.example.org/ops/tally/blob/v9/docs/operations.md";
+    let docs = render(
+        &["deploy/components/prometheus-operator"],
+        &format!(
+            "configMapGenerator:\n  - name: tally-runbooks\n    behavior: merge\n    literals: [base={base}]\n"
+        ),
+    );
+    let rule = one_of_kind(&docs, "PrometheusRule");
+    let mut alerts = 0;
+    for group in rule["spec"]["groups"].as_vec().expect("groups") {
+        for rule in group["rules"].as_vec().expect("rules") {
+            let name = alert_name(rule);
+            assert_eq!(
+                rule["annotations"]["runbook_url"].as_str(),
+                Some(format!("{base}#{}", name.to_lowercase()).as_str()),
+                "{name}'s runbook_url"
+            );
+            alerts += 1;
+        }
+    }
+    assert_eq!(alerts, alert_rules().len());
+    let default = render(&["deploy/components/prometheus-operator"], "");
+    let rule = one_of_kind(&default, "PrometheusRule");
+    let url = rule["spec"]["groups"][0]["rules"][0]["annotations"]["runbook_url"]
+        .as_str()
+        .unwrap();
+    assert!(url.starts_with(&format!("{}#", runbook_base())), "{url}");
+}
+
+/// The read path and the replay tools share the consumers' settings; rebuild and verify run
+/// only when started, gc on its schedule.
+#[test]
+fn kustomize_renders_the_read_path_and_the_replay_tools() {
+    let docs = render(&["deploy/components/prometheus-operator"], "");
+    let config = generated(&docs, "tally-config");
+    let deployments = of_kind(&docs, "Deployment");
+    let serve = deployments
+        .iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("tally-serve"))
+        .expect("a tally-serve Deployment");
+    let consumers = deployments
+        .iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("tally"))
+        .expect("a tally Deployment");
+    let serve_labels = &serve["spec"]["template"]["metadata"]["labels"];
+    let consumer_selector = consumers["spec"]["selector"]["matchLabels"]
+        .as_hash()
+        .unwrap();
+    assert!(
+        !consumer_selector
+            .iter()
+            .all(|(k, v)| &serve_labels[k.as_str().unwrap()] == v),
+        "the consumers' selector also selects the serve pods"
+    );
+    let container = container(serve);
+    assert_eq!(container["args"][0].as_str(), Some("serve"));
+    assert!(
+        container["env"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"].as_str() == Some("TALLY_LISTEN")
+                && v["value"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("0.0.0.0:"))),
+        "serve listens beyond loopback in its pod"
+    );
+    assert_eq!(
+        serve["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"],
+        config["metadata"]["name"]
+    );
+    let services = of_kind(&docs, "Service");
+    let service = services
+        .iter()
+        .find(|s| s["spec"]["selector"] == serve["spec"]["selector"]["matchLabels"])
+        .expect("a Service for tally serve");
+    let monitors = of_kind(&docs, "ServiceMonitor");
+    assert!(
+        monitors.iter().any(|m| m["spec"]["selector"]["matchLabels"]
+            == service["metadata"]["labels"]
+            || m["spec"]["selector"]["matchLabels"] == serve["spec"]["selector"]["matchLabels"]),
+        "no ServiceMonitor scrapes tally serve"
+    );
+    for monitor in &monitors {
+        assert!(
+            monitor["metadata"]["labels"]["release"].as_str().is_some(),
+            "the ServiceMonitors carry the `release` label kube-prometheus-stack selects by"
+        );
+    }
+    let cronjobs = of_kind(&docs, "CronJob");
+    for (command, suspended) in [("rebuild", true), ("verify", true), ("gc", false)] {
+        let job = cronjobs
+            .iter()
+            .find(|j| j["metadata"]["name"].as_str() == Some(&format!("tally-{command}")))
+            .unwrap_or_else(|| panic!("no CronJob tally-{command}"));
+        assert_eq!(
+            job["spec"]["suspend"].as_bool().unwrap_or(false),
+            suspended,
+            "tally-{command}'s suspend"
+        );
+        let pod = &job["spec"]["jobTemplate"]["spec"]["template"]["spec"];
+        assert_eq!(pod["containers"][0]["args"][0].as_str(), Some(command));
+        assert_eq!(
+            pod["volumes"][0]["configMap"]["name"],
+            config["metadata"]["name"]
+        );
+        assert_eq!(pod["restartPolicy"].as_str(), Some("Never"));
+    }
+}
+
 #[test]
 fn kustomize_renders_what_kubernetes_and_keda_need() {
-    let docs = kustomize(&repo().join("deploy"));
-    let deployment = one_of_kind(&docs, "Deployment");
+    let docs = render(
+        &[
+            "deploy/components/keda",
+            "deploy/components/prometheus-operator",
+        ],
+        "",
+    );
+    let deployment = of_kind(&docs, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("tally"))
+        .expect("the tally Deployment");
     assert!(
         deployment["spec"]["replicas"].is_badvalue(),
         "the Deployment sets replicas: every apply would reset KEDA's count"
@@ -648,12 +944,12 @@ fn kustomize_renders_what_kubernetes_and_keda_need() {
         "pods made unready by a Redis outage must not block node drains"
     );
     for kind in ["ServiceMonitor", "PrometheusRule"] {
-        assert!(
-            one_of_kind(&docs, kind)["metadata"]["labels"]["release"]
-                .as_str()
-                .is_some(),
-            "the {kind} lacks the `release` label kube-prometheus-stack selects by"
-        );
+        for object in of_kind(&docs, kind) {
+            assert!(
+                object["metadata"]["labels"]["release"].as_str().is_some(),
+                "the {kind} lacks the `release` label kube-prometheus-stack selects by"
+            );
+        }
     }
 }
 
@@ -667,11 +963,15 @@ fn kustomize_renders_the_sasl_component() {
     std::fs::create_dir(&overlay).unwrap();
     std::fs::write(
         overlay.join("kustomization.yaml"),
-        "resources: [../deploy]\ncomponents: [../deploy/k8s/sasl]\n",
+        "resources: [../deploy]\ncomponents: [../deploy/components/keda, ../deploy/k8s/sasl]\n",
     )
     .unwrap();
     let docs = kustomize(&overlay);
-    let tally = container(one_of_kind(&docs, "Deployment"));
+    let deployment = of_kind(&docs, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("tally"))
+        .expect("the tally Deployment");
+    let tally = container(deployment);
     let password = &env_from(tally, "TALLY_KAFKA_SASL_PASSWORD")["secretKeyRef"];
     assert_eq!(password["name"].as_str(), Some("tally-secrets"));
     assert!(
@@ -722,6 +1022,7 @@ fn the_kafka_cluster_topic_and_group_are_written_once() {
         .expect("brokers=");
     let mut files = Vec::new();
     files_under(&repo().join("deploy/k8s"), &mut files);
+    files_under(&repo().join("deploy/components"), &mut files);
     let mut seen = Vec::new();
     for file in &files {
         let text = read(file);
@@ -743,7 +1044,7 @@ fn the_kafka_cluster_topic_and_group_are_written_once() {
         seen.is_empty(),
         "{brokers} is written again in {seen:?}: it belongs in tally-kafka only"
     );
-    let scaled = &yaml(&repo().join("deploy/k8s/keda-scaledobject.yaml"))[0];
+    let scaled = &yaml(&repo().join("deploy/components/keda/scaledobject.yaml"))[0];
     let trigger = &scaled["spec"]["triggers"][0]["metadata"];
     for (field, key) in [
         ("bootstrapServers", "brokers"),
@@ -757,7 +1058,7 @@ fn the_kafka_cluster_topic_and_group_are_written_once() {
         assert_ne!(
             trigger[field].as_str(),
             Some(value),
-            "keda-scaledobject.yaml writes {field} itself: the kustomization's replacements fill it"
+            "scaledobject.yaml writes {field} itself: components/keda's replacements fill it"
         );
     }
 }
