@@ -105,7 +105,12 @@ pub fn settings_table() -> String {
             .iter()
             .map(|v| format!("`{}`", v.get_name()))
             .collect();
-        if !values.is_empty() {
+        // A switch (`--accept-lost-counts`) takes no value: clap still lists
+        // true and false as its possible values, which would read as one.
+        let switch = !arg.get_action().takes_values();
+        if switch {
+            let _ = write!(meaning, "; a switch, given without a value");
+        } else if !values.is_empty() {
             let _ = write!(meaning, "; one of {}", values.join(", "));
         }
         let _ = writeln!(
