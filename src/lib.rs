@@ -29,7 +29,8 @@
 //!   versions    routing versions of posts and epochs of the default layout;
 //!               registry: their Redis side (route_*.lua, registry_clock.lua)
 //!   generation  which key prefix is live: pointer, freeze flag, rebuild record
-//!   layout      a prefix's keys on the store the settings name, opened once
+//!   layout      a prefix's keys on the store the settings name, opened once;
+//!               adopt: what the keys of data without a record show
 //!   placement   slot owners, Binomial(N, 1/M) buckets per primary, scans
 //!   proto       the generated LikeEvent
 //! infra/      what the service runs on

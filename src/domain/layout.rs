@@ -26,7 +26,14 @@
 //! name the newest epoch's count.
 //! Data written before the record existed is adopted on the first start: the
 //! record is written from the flags of that start, which is logged; that
-//! start must name `--buckets`, since the count cannot be read from the data.
+//! start must name `--buckets`, since the count cannot be read from the data,
+//! and is refused where the keys show the flags are wrong ([`adopt`]).
+//!
+//! A record that cannot be read is never deleted to get past it: without it
+//! the next start would adopt the data under whatever flags it is given. So a
+//! record tally wrote and that lost or broke a field ([`LayoutError::Corrupt`])
+//! is told apart from a key tally never wrote ([`LayoutError::Foreign`]), and
+//! each refusal names its own repair.
 //!
 //! # Its format
 //!
@@ -41,6 +48,8 @@
 //! both) and raises the record to 2 on a writer's start and before an epoch
 //! is added ([`adopt_format`]), so a build that does not know epochs refuses
 //! the prefix instead of under-reading it.
+
+pub mod adopt;
 
 use redis::RedisError;
 
@@ -183,6 +192,14 @@ impl Record {
     }
 
     fn from_fields(key: &str, fields: &[(String, String)]) -> Result<Record, LayoutError> {
+        // A hash with none of the record's fields is another program's, not
+        // a record that lost some: its repair is another prefix, not an HSET.
+        if !fields
+            .iter()
+            .any(|(f, _)| RECORD_FIELDS.contains(&f.as_str()))
+        {
+            return Err(foreign(key, "a hash without any field of a layout record"));
+        }
         let get = |name: &str| -> Result<&str, LayoutError> {
             fields
                 .iter()
@@ -285,17 +302,20 @@ pub enum LayoutError {
     /// Data written before records existed, and no `--buckets` to say with
     /// how many buckets it was written.
     #[error(
-        "prefix {prefix} holds counts but no layout record ({key}): start once with --buckets set to the count they were written with (releases before the record defaulted to 16) to adopt them"
+        "prefix {prefix} holds counts but no layout record ({key}){seen}: start once with --buckets set to the count they were written with (releases before the record defaulted to 16) to adopt them"
     )]
     AdoptWithoutBuckets {
         /// The base prefix.
         prefix: String,
         /// The record's key.
         key: String,
+        /// What the keys show of the count, if anything (`; its version-0
+        /// buckets go up to 15`).
+        seen: String,
     },
-    /// It is not a record tally wrote.
+    /// A record tally wrote, with a field missing or broken.
     #[error(
-        "layout record {key} is damaged ({problem}); restore it, or delete it to adopt the data with the current flags"
+        "layout record {key} is damaged ({problem}): set the field back with `HSET {key} <field> <value>` to what the prefix's writers run with, or restore the record from a backup; keep the key, since a start without it would adopt the data under whatever flags it is given"
     )]
     Corrupt {
         /// The record's key.
@@ -303,6 +323,39 @@ pub enum LayoutError {
         /// What is wrong.
         problem: String,
     },
+    /// The key holds something tally never wrote.
+    #[error(
+        "{key} is not a layout record ({what}): something other than tally writes under --prefix {prefix}; give tally a --prefix of its own and leave the key to its owner"
+    )]
+    Foreign {
+        /// The record's key.
+        key: String,
+        /// The base prefix.
+        prefix: String,
+        /// What the key holds.
+        what: String,
+    },
+    /// The keys of data written without a record contradict a start's settings.
+    #[error(transparent)]
+    Adopt(#[from] adopt::Refusal),
+}
+
+/// The fields of a record.
+const RECORD_FIELDS: [&str; 6] = [
+    "format",
+    "buckets",
+    "slot_groups",
+    "topic",
+    "group",
+    "created_at_ms",
+];
+
+fn foreign(key: &str, what: &str) -> LayoutError {
+    LayoutError::Foreign {
+        key: key.to_string(),
+        prefix: key.strip_suffix(":layout").unwrap_or(key).to_string(),
+        what: what.to_string(),
+    }
 }
 
 /// The record of `base`, if the prefix has one.
@@ -313,7 +366,11 @@ pub async fn read_record(store: &Shared, base: &str) -> Result<Option<Record>, L
             let key = key.clone();
             async move { redis::cmd("HGETALL").arg(&key).query_async(&mut s).await }
         })
-        .await?;
+        .await
+        .map_err(|e| match e.code() {
+            Some("WRONGTYPE") => foreign(&key, "a key of another type than a hash"),
+            _ => LayoutError::Redis(e),
+        })?;
     if fields.is_empty() {
         return Ok(None);
     }
@@ -642,9 +699,22 @@ mod tests {
             line.contains("newer than this tally knows") && !line.contains('\n'),
             "{line}"
         );
-        assert!(matches!(
-            Record::from_fields("t:layout", &fields[1..]),
-            Err(LayoutError::Corrupt { .. })
-        ));
+        let damaged = Record::from_fields("t:layout", &fields[1..])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            damaged.starts_with("layout record t:layout is damaged (field format is missing): set the field back with `HSET t:layout")
+                && !damaged.contains("delete"),
+            "{damaged}"
+        );
+        // Another program's hash is not a damaged record: its repair is another prefix.
+        let other = [("owner".to_string(), "billing".to_string())];
+        let foreign = Record::from_fields("t:layout", &other)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            foreign.starts_with("t:layout is not a layout record (a hash without any field of a layout record): something other than tally writes under --prefix t; give tally a --prefix of its own"),
+            "{foreign}"
+        );
     }
 }

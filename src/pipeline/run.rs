@@ -51,9 +51,11 @@ use tracing::{debug, info, warn};
 
 use crate::domain::fence::Decision;
 use crate::domain::generation::{self, GenerationWatch};
+use crate::domain::layout::adopt::{self, Survey};
 use crate::domain::layout::{self, LayoutError, OpenStore, Record};
+use crate::domain::routing::KeyLayout;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
-use crate::infra::config::{ConfigError, KafkaSettings, RunSettings};
+use crate::infra::config::{ConfigError, DEFAULT_BUCKETS, KafkaSettings, RunSettings};
 use crate::infra::security::KafkaAcl;
 use crate::infra::store::ConnectError;
 use crate::infra::{metrics, tasks};
@@ -380,13 +382,30 @@ async fn check_layout(
     let base = settings.store.prefix();
     let kafka = &settings.kafka;
     let unrecorded = layout::read_record(&opened.store, base).await?.is_none();
-    let data = unrecorded && holds_data(opened, settings).await?;
+    // Only while the prefix has no record: one SCAN of the prefix, once.
+    let survey = match unrecorded {
+        true => tokio::task::block_in_place(|| adopt::survey(opened.target(), &opened.keys))
+            .map_err(LayoutError::from)?,
+        false => Survey::default(),
+    };
+    let data = survey.holds_data();
     if data && settings.buckets.is_none() {
         return Err(LayoutError::AdoptWithoutBuckets {
             prefix: base.to_string(),
             key: layout::record_key(base),
+            seen: survey
+                .highest
+                .as_ref()
+                .map(|(b, _)| format!("; its version-0 buckets go up to {b}"))
+                .unwrap_or_default(),
         }
         .into());
+    }
+    if unrecorded {
+        let buckets = settings.buckets.unwrap_or(DEFAULT_BUCKETS);
+        survey
+            .check(&opened.keys, buckets, &kafka.group, &kafka.topic)
+            .map_err(LayoutError::from)?;
     }
     if unrecorded && !data && first.live {
         let committed = tokio::task::block_in_place(|| {
@@ -424,6 +443,8 @@ async fn check_layout(
                 slot_groups = record.slot_groups,
                 group = %record.group,
                 topic = %record.topic,
+                found = %adoption_found(&survey),
+                reads = %adoption_reads(&opened.keys, &record),
                 "Adopted data written without a layout record: the record now holds this start's settings; every later start must repeat them."
             );
         } else {
@@ -439,33 +460,36 @@ async fn check_layout(
     Ok(record)
 }
 
-/// Whether the prefix holds counts of the group: partition 0's origin, or a
-/// generation pointer.
-async fn holds_data(opened: &OpenStore, settings: &RunSettings) -> Result<bool, LayoutError> {
-    let base = settings.store.prefix();
-    let origin = opened
-        .keys
-        .origin_key(&settings.kafka.group, &settings.kafka.topic, 0);
-    let pointer = generation::pointer_key(base);
-    let found = opened
-        .store
-        .call(|mut s| {
-            let (origin, pointer) = (origin.clone(), pointer.clone());
-            async move {
-                // Two calls: on a cluster the keys lie in different slots.
-                let origin: bool = redis::cmd("EXISTS")
-                    .arg(&origin)
-                    .query_async(&mut s)
-                    .await?;
-                let pointer: bool = redis::cmd("EXISTS")
-                    .arg(&pointer)
-                    .query_async(&mut s)
-                    .await?;
-                Ok::<_, redis::RedisError>(origin || pointer)
-            }
-        })
-        .await?;
-    Ok(found)
+/// What an adoption found under the prefix, for its log line.
+fn adoption_found(survey: &Survey) -> String {
+    let counters = match &survey.highest {
+        Some((b, _)) => format!("{} version-0 counters, buckets up to {b}", survey.counters),
+        None => "no version-0 counters".to_string(),
+    };
+    format!("fences of {}; {counters}", survey.fenced_text())
+}
+
+/// What a reader sums for each post after an adoption: the record's
+/// version-0 buckets, then any versions of the post's own.
+fn adoption_reads(keys: &KeyLayout, record: &Record) -> String {
+    let last = record.buckets - 1;
+    let tag = match keys.groups().tag(0) {
+        Some(_) => ":{<tag>}",
+        None => "",
+    };
+    let key = |b: u32| format!("{}:likes:<post>:{b}{tag}", keys.prefix());
+    match last {
+        0 => format!(
+            "{} per post, plus its own versions (`tally inspect post <id>` lists them)",
+            key(0)
+        ),
+        _ => format!(
+            "{} buckets per post, {} to {}, plus its own versions (`tally inspect post <id>` lists them)",
+            record.buckets,
+            key(0),
+            key(last)
+        ),
+    }
 }
 
 /// A live pipeline's view of the generation pointer; `None` for a pipeline

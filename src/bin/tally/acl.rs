@@ -29,7 +29,7 @@ pub const RULES: &[Rule] = &[
         command: "run",
         needs: &[
             "ping", "get", "set", "exists", "hget", "hmget", "hgetall", "hset", "incrby", "decrby",
-            "del", "time", "evalsha", "eval",
+            "del", "time", "evalsha", "eval", "scan",
         ],
         warns: &["config|get", "hsetnx", "hincrby", "expire", "info"],
     },
@@ -160,7 +160,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "scan",
-        "finding a generation's keys (`verify`, `gc`; `rebuild --abort` needs it too)",
+        "finding a generation's keys (`verify`, `gc`, `rebuild --abort`); what a prefix without a layout record holds, before `run` adopts its data (a rebuild of a prefix that has never had a record needs it too)",
     ),
     (
         "unlink",
