@@ -258,6 +258,51 @@ ensure_java_producer() {
     say "built $jar in $((SECONDS - started)) s"
 }
 
+# Sets up the Python producer example, examples/python-producer (tests/e2e_producers.rs runs it):
+# confluent-kafka, protobuf and grpcio-tools (whose protoc generates the LikeEvent code) from
+# PyPI when missing, then gen/tally/v1/like_event_pb2.py from the event contract in proto/ when
+# it is missing or older than the contract.
+ensure_python_producer() {
+    ensure_python_kafka
+    python3 -c 'import google.protobuf' >/dev/null 2>&1 || pip_install protobuf==7.36.2
+    python3 -c 'import grpc_tools.protoc' >/dev/null 2>&1 || pip_install grpcio-tools==1.85.1
+    local dir out
+    dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/examples/python-producer"
+    out="$dir/gen/tally/v1/like_event_pb2.py"
+    if [ -f "$out" ] && [ -z "$(find "$dir/../../proto" -newer "$out" -print -quit)" ]; then
+        return
+    fi
+    say "generating the Python LikeEvent code: python3 -m grpc_tools.protoc --python_out=examples/python-producer/gen"
+    mkdir -p "$dir/gen"
+    (cd "$dir" && python3 -m grpc_tools.protoc -I ../../proto --python_out=gen \
+        ../../proto/tally/v1/like_event.proto)
+}
+
+# Builds the Go producer example, examples/go-producer, into ~/.cache/tally/go-producer/
+# like-producer (tests/e2e_producers.rs runs it) when the binary is missing or older than the
+# example or the event contract: `buf generate` (protoc-gen-go run from the example's go.mod)
+# writes its LikeEvent code from proto/, then `go build`. The Go module proxy supplies franz-go
+# and protobuf the first time. Needs buf (ensure_buf) and Go 1.26 or later (franz-go's go.mod
+# asks for it; Debian's golang-go is older), which it does not install.
+ensure_go_producer() {
+    local dir bin
+    dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/examples/go-producer"
+    bin="$HOME/.cache/tally/go-producer/like-producer"
+    if [ -x "$bin" ] &&
+        [ -z "$(find "$dir" "$dir/../../proto" -newer "$bin" -print -quit)" ]; then
+        return
+    fi
+    if ! command -v go >/dev/null 2>&1; then
+        say "the Go producer needs Go 1.26 or later, and go is not on PATH: install Go, then run again"
+        return 1
+    fi
+    say "building the Go producer: buf generate && go build in examples/go-producer"
+    local started=$SECONDS
+    mkdir -p "$(dirname "$bin")"
+    (cd "$dir" && buf generate && go build -o "$bin" .)
+    say "built $bin in $((SECONDS - started)) s"
+}
+
 # A loopback port that nothing listens on, in 20000..45000 (the tests draw from the same range
 # and skip busy ports).
 free_loopback_port() {
