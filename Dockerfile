@@ -3,6 +3,14 @@
 #   docker build -t tally .
 #   docker run --rm tally run --help
 #
+# A release image carries the version and the commit it was built from, in its labels and in
+# `tally --version`. The version is Cargo.toml's: VERSION below repeats it (tests/deploy_assets.rs
+# fails when they differ, and the build fails when the binary says otherwise). The commit is
+# passed in, since .git stays out of the build context:
+#
+#   docker build --build-arg REVISION="$(git rev-parse --short HEAD)" \
+#     -t tally:"$(cargo pkgid | sed 's/.*[#@]//')" .
+#
 # Works with the classic builder as with BuildKit: dependencies are compiled in a layer of their
 # own, from Cargo.toml and Cargo.lock alone, so a change under src/ rebuilds only tally.
 #
@@ -30,21 +38,37 @@ RUN mkdir -p src/bin/tally benches \
     && touch src/lib.rs \
     && echo 'fn main() {}' > src/bin/tally/main.rs \
     && echo 'fn main() {}' > benches/pipeline.rs \
-    && cargo build --release --locked --bin tally \
+    && cargo build --profile dist --locked --bin tally \
     && rm -rf src benches
 COPY benches benches
 COPY src src
+# Declared here, not above, so that a new revision leaves the dependency layer cached.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
 # COPY keeps the files' own times, which may be older than the placeholders' build: touch the
-# crate roots so cargo rebuilds tally itself.
+# crate roots so cargo rebuilds tally itself. The `dist` profile (Cargo.toml) is the release
+# build without debug info: the release profile keeps line tables for the benchmarks'
+# profiles, which an image has no use for. The binary must report the VERSION the labels carry.
 RUN touch src/lib.rs src/bin/tally/main.rs \
-    && cargo build --release --locked --bin tally \
-    && cp target/release/tally /usr/local/bin/tally
+    && TALLY_GIT_REVISION="$REVISION" cargo build --profile dist --locked --bin tally \
+    && cp target/dist/tally /usr/local/bin/tally \
+    && reported="$(/usr/local/bin/tally --version)" \
+    && if [ "$reported" != "tally $VERSION ($REVISION)" ]; then \
+         echo "the binary reports '$reported', not tally $VERSION ($REVISION): set VERSION to Cargo.toml's version" >&2; \
+         exit 1; \
+       fi
 
 FROM debian:12.12-slim
 ARG VERSION=0.1.0
+ARG REVISION=unknown
+# Where the source lives; an organisation's build sets its own.
+ARG SOURCE=https://tally.example.com/tally
 LABEL org.opencontainers.image.title="tally" \
       org.opencontainers.image.description="Counts likes from Kafka into Redis exactly once." \
       org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="docker.io/library/debian:12.12-slim"
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates libssl3 \

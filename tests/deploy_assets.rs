@@ -12,7 +12,10 @@
 //! once, required secrets, the read path, the replay tools, the SASL
 //! component), KEDA never scales past the partition count, and `docker
 //! compose config` accepts `docker-compose.yml` (with and without the cluster
-//! profile).
+//! profile). The release has one version, Cargo.toml's: the Dockerfile's
+//! labels and the kustomization's image tag repeat it, the image is the
+//! stripped `dist` build with the OCI labels, and `tally --version` prints it
+//! with the git revision; `--log-format json` writes lines a log shipper parses.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1275,5 +1278,154 @@ fn no_example_pins_the_bucket_count() {
             "{} pins the bucket count",
             file.display()
         );
+    }
+}
+
+/// `key=value` or `key="value"` on a Dockerfile line, unquoted.
+fn dockerfile_values<'a>(dockerfile: &'a str, key: &str) -> Vec<&'a str> {
+    dockerfile
+        .lines()
+        .filter_map(|line| line.split_once(&format!("{key}=")))
+        .map(|(_, rest)| {
+            let rest = rest.trim_start_matches('"');
+            rest.split(['"', ' ']).next().unwrap_or("")
+        })
+        .collect()
+}
+
+/// Cargo.toml's version is the release's: the image's labels and the kustomization's tag name
+/// the same one, and the image ships the stripped `dist` profile with every OCI label.
+#[test]
+fn the_release_version_has_one_source() {
+    let version = env!("CARGO_PKG_VERSION");
+    let dockerfile = read(&repo().join("Dockerfile"));
+    let args = dockerfile_values(&dockerfile, "ARG VERSION");
+    assert!(!args.is_empty(), "the Dockerfile has no ARG VERSION");
+    for arg in args {
+        assert_eq!(
+            arg, version,
+            "the Dockerfile's ARG VERSION is {arg}, Cargo.toml's version {version}"
+        );
+    }
+    for label in [
+        "title",
+        "description",
+        "version",
+        "revision",
+        "source",
+        "licenses",
+    ] {
+        let key = format!("org.opencontainers.image.{label}");
+        assert_eq!(
+            dockerfile_values(&dockerfile, &key).len(),
+            1,
+            "the image has no label {key}"
+        );
+    }
+    assert_eq!(
+        dockerfile_values(&dockerfile, "org.opencontainers.image.licenses"),
+        [env!("CARGO_PKG_LICENSE")],
+        "the image's licence label differs from Cargo.toml's"
+    );
+    assert!(
+        dockerfile.contains("cargo build --profile dist")
+            && !dockerfile.contains("cargo build --release"),
+        "the image builds another profile than dist"
+    );
+    let manifest: toml::Table = read(&repo().join("Cargo.toml")).parse().unwrap();
+    let dist = &manifest["profile"]["dist"];
+    assert_eq!(
+        dist["strip"].as_str(),
+        Some("debuginfo"),
+        "dist keeps debug info"
+    );
+
+    let kustomization = &yaml(&repo().join("deploy/kustomization.yaml"))[0];
+    let images = kustomization["images"].as_vec().expect("images");
+    let tally = images
+        .iter()
+        .find(|image| image["name"].as_str() == Some("tally"))
+        .expect("the kustomization sets the tally image");
+    assert_eq!(
+        tally["newTag"].as_str(),
+        Some(version),
+        "deploy/kustomization.yaml tags the image {:?}, Cargo.toml's version is {version}",
+        tally["newTag"]
+    );
+    // The examples in its comments too.
+    let text = read(&repo().join("deploy/kustomization.yaml"));
+    for (at, _) in text.match_indices("tally:") {
+        let tag: String = text[at + "tally:".len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '-')
+            .collect();
+        if tag.starts_with(|c: char| c.is_ascii_digit()) {
+            assert_eq!(tag, version, "deploy/kustomization.yaml names tally:{tag}");
+        }
+    }
+}
+
+/// `tally --version` prints Cargo.toml's version and the commit it was built from.
+#[test]
+fn the_binary_reports_its_release_and_revision() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    let rest = line
+        .trim()
+        .strip_prefix(&format!("tally {} (", env!("CARGO_PKG_VERSION")))
+        .unwrap_or_else(|| panic!("not tally's version: {line}"));
+    let revision = rest.strip_suffix(')').expect("a revision in parentheses");
+    if revision != "unknown" {
+        assert!(
+            revision.len() >= 7 && revision.chars().all(|c| c.is_ascii_hexdigit()),
+            "{revision} is not a short commit hash"
+        );
+        // Built from this checkout: the commit exists in it.
+        let known = Command::new("git")
+            .args(["cat-file", "-e", &format!("{revision}^{{commit}}")])
+            .current_dir(repo())
+            .status();
+        if let Ok(status) = known {
+            assert!(status.success(), "{revision} is no commit of this checkout");
+        }
+    }
+}
+
+/// With `--log-format json` (or TALLY_LOG_FORMAT=json) every log line is one JSON object.
+#[test]
+fn json_log_lines_parse() {
+    for (flag, variable) in [(Some("--log-format=json"), None), (None, Some("json"))] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        for (name, _) in std::env::vars().filter(|(k, _)| k.starts_with("TALLY_")) {
+            cmd.env_remove(name);
+        }
+        cmd.env("TALLY_LOG", "tally=debug")
+            .args(["docs", "metrics"]);
+        if let Some(flag) = flag {
+            cmd.arg(flag);
+        }
+        if let Some(variable) = variable {
+            cmd.env("TALLY_LOG_FORMAT", variable);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success());
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert!(!lines.is_empty(), "no log line");
+        for line in lines {
+            let event: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+            assert!(
+                event["timestamp"].is_string() && event["level"].is_string(),
+                "{line}"
+            );
+            if event["message"] == "Starting." {
+                assert_eq!(event["version"], env!("CARGO_PKG_VERSION"), "{line}");
+            }
+        }
     }
 }

@@ -1,15 +1,34 @@
 //! The command line: every command, its one-line help, and its log filter.
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::{inspect, ops, reads, run, serve, settings, tools};
 
+/// The release, from Cargo.toml, and the git revision it was built from
+/// (build.rs; "unknown" outside a git checkout).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("TALLY_GIT_REVISION"),
+    ")"
+);
+
 /// Exactly-once like counting from Kafka into Redis.
 #[derive(Parser)]
-#[command(version, about, long_about = None)]
+#[command(version = VERSION, about, long_about = None)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// How log lines are written to stderr: text for people, json (one object a line) for a
+    /// log shipper.
+    #[arg(
+        long,
+        global = true,
+        env = "TALLY_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    pub log_format: LogFormat,
     /// Testing only: the background task of this name panics when it first
     /// runs, so that supervision can be seen to end the process.
     #[arg(long, env = "TALLY_TEST_PANIC_TASK", hide = true)]
@@ -74,4 +93,13 @@ impl Command {
             _ => "warn",
         }
     }
+}
+
+/// The format of log lines (`--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event, coloured on a terminal.
+    Text,
+    /// One JSON object per line: timestamp, level, target, message and the event's fields.
+    Json,
 }

@@ -3,7 +3,6 @@
 //! panic of a background task (see [`tally::infra::tasks`]), which ends the
 //! command as well.
 
-use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
@@ -14,6 +13,7 @@ mod acl;
 mod cli;
 mod errors;
 mod inspect;
+mod logs;
 mod ops;
 mod progress;
 mod reads;
@@ -25,14 +25,12 @@ mod tools;
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG")
-                .unwrap_or_else(|_| cli.command.log_filter().into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    logs::init(cli.log_format, cli.command.log_filter());
+    tracing::debug!(
+        version = env!("CARGO_PKG_VERSION"),
+        revision = env!("TALLY_GIT_REVISION"),
+        "Starting."
+    );
     // Redis TLS (rediss://) uses rustls with the ring provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
     tally::infra::tasks::install_panic_hook();
@@ -71,10 +69,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Config(run::ConfigCommand::Print(_)) => {
             run::print_config(sub.subcommand_matches("print").expect("print has settings"))
         }
-        Command::Docs(docs) => {
-            run::docs(docs);
-            Ok(())
-        }
+        Command::Docs(docs) => run::docs(docs),
         Command::Demo(config) => tools::demo::demo(config).await,
         Command::Produce(config) => tools::produce::produce(*config).await,
         Command::Bench(config) => tools::bench::bench(*config).await,

@@ -2,8 +2,9 @@
 //! its settings, and the tables the documentation publishes.
 
 use std::fmt::Write as _;
+use std::io::Write as _;
 
-use clap::{ArgMatches, Subcommand};
+use clap::{ArgMatches, CommandFactory as _, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::errors::Problems;
@@ -28,6 +29,20 @@ pub enum Docs {
     Metrics,
     /// The Redis ACL rule of every command, as docs/security.md's markdown tables.
     Acl,
+    /// A completion script for a shell, from the command line's definition: e.g.
+    /// `tally docs completions bash > /usr/share/bash-completion/completions/tally`.
+    Completions {
+        /// The shell to complete in.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// The manual page tally(1), in roff: e.g. `tally docs man | man -l -`.
+    Man {
+        /// Write tally.1 and a page for each command (tally-run.1, ...) into this directory
+        /// instead of tally.1 to stdout.
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<std::path::PathBuf>,
+    },
 }
 
 /// The settings `matches` name with their variables and file, checked,
@@ -83,13 +98,35 @@ pub fn print_config(matches: &ArgMatches) -> anyhow::Result<()> {
 }
 
 /// `tally docs ...`.
-pub fn docs(docs: Docs) {
+pub fn docs(docs: Docs) -> anyhow::Result<()> {
     match docs {
         Docs::HashVectors => print!("{}", hash_vectors_table()),
         Docs::Config => print!("{}", settings::show::settings_table()),
         Docs::Metrics => print!("{}", metrics_table()),
         Docs::Acl => print!("{}", crate::acl::table()),
+        Docs::Completions { shell } => std::io::stdout().write_all(&completions(shell))?,
+        Docs::Man { out_dir: None } => std::io::stdout().write_all(&man_page()?)?,
+        Docs::Man { out_dir: Some(dir) } => {
+            clap_mangen::generate_to(crate::cli::Cli::command(), &dir).map_err(|e| {
+                anyhow::anyhow!("cannot write the manual pages to {}: {e}", dir.display())
+            })?
+        }
     }
+    Ok(())
+}
+
+/// The completion script of `shell` for every command and flag.
+fn completions(shell: clap_complete::Shell) -> Vec<u8> {
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut crate::cli::Cli::command(), "tally", &mut script);
+    script
+}
+
+/// tally(1): the commands, the global flags, the version.
+fn man_page() -> std::io::Result<Vec<u8>> {
+    let mut page = Vec::new();
+    clap_mangen::Man::new(crate::cli::Cli::command()).render(&mut page)?;
+    Ok(page)
 }
 
 /// docs/operations.md's table of metrics, printed by `tally docs metrics`.
@@ -134,6 +171,32 @@ mod tests {
             design.contains(&hash_vectors_table()),
             "docs/design.md's hash table is stale; regenerate it with `tally docs hash-vectors`"
         );
+    }
+
+    #[test]
+    fn completions_render_for_every_shell() {
+        use clap::ValueEnum as _;
+        for &shell in clap_complete::Shell::value_variants() {
+            let script = String::from_utf8(completions(shell)).unwrap();
+            for word in ["tally", "rebucket", "log-format"] {
+                assert!(script.contains(word), "{shell} completions lack {word}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_manual_page_renders() {
+        let page = String::from_utf8(man_page().unwrap()).unwrap();
+        assert!(page.starts_with(".ie \\n(.g .ds Aq"), "not roff:\n{page}");
+        assert!(page.contains(".TH tally 1"), "{page}");
+        for word in ["rebucket", "log\\-format", env!("CARGO_PKG_VERSION")] {
+            assert!(page.contains(word), "the page lacks {word}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        clap_mangen::generate_to(crate::cli::Cli::command(), dir.path()).unwrap();
+        for page in ["tally.1", "tally-run.1", "tally-docs-man.1"] {
+            assert!(dir.path().join(page).exists(), "no {page}");
+        }
     }
 
     #[test]
