@@ -116,7 +116,8 @@ fn encode(fields: &[Field]) -> Vec<u8> {
 
 /// The verdict proto3 decoding of `LikeEvent` plus tally's validation give: known fields
 /// (1 post_id, 2 user_id, 3 action, 4 event_time_ms) are varints and the last one wins;
-/// unknown fields are skipped; a known field with another wire type is undecodable.
+/// 5 event_id is a string, so its bytes must be UTF-8; unknown fields are skipped; a known
+/// field with another wire type is undecodable.
 fn model(fields: &[Field]) -> Result<Like, BadReason> {
     let (mut post, mut user, mut action) = (0u64, 0u64, 0i32);
     for f in fields {
@@ -128,6 +129,8 @@ fn model(fields: &[Field]) -> Result<Like, BadReason> {
                 _ => {}
             },
             (1..=4, _) => return Err(BadReason::Undecodable),
+            (5, Value::Bytes(b)) if std::str::from_utf8(b).is_ok() => {}
+            (5, _) => return Err(BadReason::Undecodable),
             _ => {}
         }
     }
