@@ -382,8 +382,10 @@ async fn check_layout(
     let base = settings.store.prefix();
     let kafka = &settings.kafka;
     let unrecorded = layout::read_record(&opened.store, base).await?.is_none();
-    // Only while the prefix has no record: one SCAN of the prefix, once.
-    let survey = match unrecorded {
+    // Only while the prefix has no record: one SCAN of the prefix, once. A
+    // rebuild recounts from the log into a generation of its own, so there is
+    // nothing for it to adopt (and its own keys must not read as such).
+    let survey = match unrecorded && first.live {
         true => tokio::task::block_in_place(|| adopt::survey(opened.target(), &opened.keys))
             .map_err(LayoutError::from)?,
         false => Survey::default(),
