@@ -233,7 +233,7 @@ ensure_kafka() {
 }
 
 # Builds the reference Java producer, examples/java-producer, into its target/like-producer.jar
-# (tests/e2e_java_producer.rs runs it) when the jar is missing or older than its POM, its sources
+# (tests/e2e_producers.rs runs it) when the jar is missing or older than its POM, its sources
 # or the event contract in proto/ it generates classes from. Maven fetches protoc, kafka-clients
 # and protobuf-java from Maven Central the first time. Installs a JDK and Maven first when missing.
 ensure_java_producer() {

@@ -1,7 +1,8 @@
-//! Input from the producer examples other than Java, the ones docs/contract.md's producer guide
-//! points Python and Go teams to: `examples/python-producer` (confluent-kafka, with the
-//! `LikeEvent` code protoc generates from `proto/`) and `examples/go-producer` (franz-go, with
-//! the code `buf generate` makes from `proto/`). Each produces the same kind of events twice, as
+//! Input from the producer examples docs/contract.md's producer guide points teams to:
+//! `examples/java-producer`, the reference (kafka-clients, with the `LikeEvent` classes protoc
+//! generates from `proto/` in its Maven build), `examples/python-producer` (confluent-kafka, with
+//! the code protoc generates from `proto/`) and `examples/go-producer` (franz-go, with the code
+//! `buf generate` makes from `proto/`). Each produces the same kind of events twice, as
 //! plain protobuf and in Schema Registry framing, each run to posts of its own, then sends the
 //! first events of the plain run again from a new producer, as an outbox relay that restarts
 //! does: same event ids, same keys. One `tally run --dedupe ids` counts it all.
@@ -18,7 +19,8 @@
 //! repeated id, and see no bad message.
 //!
 //! Without the tools or the built producers the tests fail with the command that sets them up
-//! (`ensure_python_producer` and `ensure_go_producer` in scripts/lib.sh do it for scripts/test).
+//! (`ensure_java_producer`, `ensure_python_producer` and `ensure_go_producer` in scripts/lib.sh
+//! do it for scripts/test).
 
 mod common;
 
@@ -33,6 +35,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::Message as _;
 
+const JAVA_PRODUCER_BUILD: &str = "(source scripts/lib.sh && ensure_java_producer)";
 const PYTHON_PRODUCER_SETUP: &str = "(source scripts/lib.sh && ensure_python_producer)";
 const GO_PRODUCER_BUILD: &str = "(source scripts/lib.sh && ensure_buf && ensure_go_producer)";
 const PARTITIONS: i32 = 4;
@@ -63,6 +66,7 @@ struct Produced {
 
 /// A producer example and how to run it.
 enum Example {
+    Java { jar: PathBuf },
     Python { script: PathBuf },
     Go { binary: PathBuf },
 }
@@ -70,6 +74,7 @@ enum Example {
 impl Example {
     fn name(&self) -> &'static str {
         match self {
+            Example::Java { .. } => "java",
             Example::Python { .. } => "python",
             Example::Go { .. } => "go",
         }
@@ -77,6 +82,7 @@ impl Example {
 
     fn setup(&self) -> &'static str {
         match self {
+            Example::Java { .. } => JAVA_PRODUCER_BUILD,
             Example::Python { .. } => PYTHON_PRODUCER_SETUP,
             Example::Go { .. } => GO_PRODUCER_BUILD,
         }
@@ -84,6 +90,11 @@ impl Example {
 
     fn command(&self) -> Command {
         match self {
+            Example::Java { jar } => {
+                let mut cmd = Command::new("java");
+                cmd.arg("-jar").arg(jar);
+                cmd
+            }
             Example::Python { script } => {
                 let mut cmd = Command::new("python3");
                 cmd.arg(script);
@@ -129,6 +140,29 @@ fn assert_built(built: &Path, sources: &[PathBuf], setup: &str) {
 /// The Python example; fails the test, with the command that sets it up, when python3 lacks
 /// confluent-kafka or protobuf, or the generated `LikeEvent` code is missing or older than the
 /// contract.
+/// The Java example's jar; fails the test, with the command that builds it, when java cannot
+/// run or the jar is missing or older than its POM, its sources or the contract.
+fn require_java_producer() -> Example {
+    match Command::new("java").arg("-version").output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "java -version failed ({}); install a JDK 17 and Maven, then run: {JAVA_PRODUCER_BUILD}",
+            out.status
+        ),
+        Err(e) => panic!(
+            "java cannot be run ({e}); install a JDK 17 and Maven, then run: {JAVA_PRODUCER_BUILD}"
+        ),
+    }
+    let dir = repo().join("examples/java-producer");
+    let jar = dir.join("target/like-producer.jar");
+    assert_built(
+        &jar,
+        &[dir.join("pom.xml"), dir.join("src"), repo().join("proto")],
+        JAVA_PRODUCER_BUILD,
+    );
+    Example::Java { jar }
+}
+
 fn require_python_producer() -> Example {
     let out = Command::new("python3")
         .args(["-c", "import confluent_kafka, google.protobuf"])
@@ -316,11 +350,21 @@ fn assert_produced_as_documented(report: &serde_json::Value) {
     let linger: u64 = config["linger.ms"].as_str().unwrap().parse().unwrap();
     assert!(linger > 0, "linger.ms {linger}: no time to fill a batch");
     // Many events to a batch: the batches real producers send, not one event at a time.
-    let per_batch = report["records_per_batch_avg"].as_f64().unwrap_or(0.0);
+    // kafka-clients reports records per produce request, which holds one batch a partition.
+    let per_batch = report["records_per_batch_avg"]
+        .as_f64()
+        .or_else(|| report["records_per_request_avg"].as_f64())
+        .unwrap_or(0.0);
     assert!(
         per_batch >= 20.0,
         "{per_batch} events per batch; the test needs batches of many: {report}"
     );
+    // Clients that count their retries and failed records must have none.
+    for key in ["record_retry_total", "record_error_total"] {
+        if !report[key].is_null() {
+            assert_eq!(report[key], 0.0, "{key} in {report}");
+        }
+    }
 }
 
 /// Every event is on the topic where the producer said, byte for byte as the contract has it;
@@ -495,6 +539,11 @@ fn counted_exactly(example: &Example, test: &str) {
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");
+}
+
+#[test]
+fn likes_from_the_java_producer_are_counted_exactly_plain_and_framed() {
+    counted_exactly(&require_java_producer(), "e2e_producers_java");
 }
 
 #[test]

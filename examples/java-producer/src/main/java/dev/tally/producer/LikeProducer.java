@@ -88,6 +88,21 @@ public final class LikeProducer implements AutoCloseable {
    */
   public Future<RecordMetadata> send(
       long postId, long userId, Action action, long eventTimeMs, Callback callback) {
+    return send(postId, userId, action, eventTimeMs, "", callback);
+  }
+
+  /**
+   * As above, with the event's id: the outbox row's id or the client's request id, so that tally
+   * counts the like once however often it is published ({@code tally run --dedupe ids}). Empty
+   * means none.
+   */
+  public Future<RecordMetadata> send(
+      long postId,
+      long userId,
+      Action action,
+      long eventTimeMs,
+      String eventId,
+      Callback callback) {
     if (postId == 0) {
       throw new IllegalArgumentException("post_id 0 names no post");
     }
@@ -100,6 +115,7 @@ public final class LikeProducer implements AutoCloseable {
             .setUserId(userId)
             .setAction(action)
             .setEventTimeMs(eventTimeMs)
+            .setEventId(eventId)
             .build();
     return producer.send(new ProducerRecord<>(topic, userId, event), callback);
   }

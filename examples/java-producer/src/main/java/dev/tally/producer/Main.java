@@ -26,8 +26,9 @@ import tally.v1.LikeEventOuterClass.Action;
  *     [--positions FILE]
  * </pre>
  *
- * <p>{@code --events} holds one event a line, {@code POST_ID USER_ID ACTION EVENT_TIME_MS}, with
- * ACTION {@code like} or {@code unlike} and the ids unsigned 64-bit; blank lines and lines
+ * <p>{@code --events} holds one event a line, {@code POST_ID USER_ID ACTION EVENT_TIME_MS
+ * [EVENT_ID]}, with ACTION {@code like} or {@code unlike}, the ids unsigned 64-bit and the
+ * optional event id written to {@code event_id}; blank lines and lines
  * starting with {@code #} are skipped. Every line is checked before anything is sent, so a bad
  * file produces nothing. Once every event is acknowledged it prints one JSON object on stdout
  * (what it sent, the settings it sent with and the client's batching figures) and, with {@code
@@ -44,7 +45,7 @@ public final class Main {
           + " [--linger-ms MS] [--positions FILE]";
 
   /** One line of the events file. */
-  private record Event(long postId, long userId, Action action, long eventTimeMs) {}
+  private record Event(long postId, long userId, Action action, long eventTimeMs, String eventId) {}
 
   /** Bad arguments or input: exit status 2 with the message and the usage. */
   private static final class UsageError extends Exception {
@@ -102,6 +103,7 @@ public final class Main {
             event.userId(),
             event.action(),
             event.eventTimeMs(),
+            event.eventId(),
             (metadata, error) -> {
               if (error != null) {
                 failures.add("event " + index + ": " + error);
@@ -217,8 +219,9 @@ public final class Main {
       }
       String[] fields = trimmed.split("\\s+");
       String where = file + ":" + lineNumber + ": ";
-      if (fields.length != 4) {
-        throw new UsageError(where + "want POST_ID USER_ID like|unlike EVENT_TIME_MS: " + line);
+      if (fields.length != 4 && fields.length != 5) {
+        throw new UsageError(
+            where + "want POST_ID USER_ID like|unlike EVENT_TIME_MS [EVENT_ID]: " + line);
       }
       Action action =
           switch (fields[2]) {
@@ -233,7 +236,11 @@ public final class Main {
         }
         events.add(
             new Event(
-                postId, Long.parseUnsignedLong(fields[1]), action, Long.parseLong(fields[3])));
+                postId,
+                Long.parseUnsignedLong(fields[1]),
+                action,
+                Long.parseLong(fields[3]),
+                fields.length == 5 ? fields[4] : ""));
       } catch (NumberFormatException e) {
         throw new UsageError(where + e.getMessage());
       }
