@@ -45,14 +45,35 @@ fn one_consumer_counts_200k_events_exactly() {
     let total: i64 = counts.values().sum();
     assert_eq!(total, w.likes as i64 - w.unlikes as i64);
 
-    // Informational: what the process reports about itself.
-    match try_scrape_metrics(&metrics_addr) {
-        Ok(text) => {
-            let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("tally_")).collect();
-            eprintln!("[e2e_exact] metrics:\n{}", lines.join("\n"));
+    // Every batch's offset commit is timed when the coordinator answers it: the `commit` stage
+    // of tally_stage_seconds has a sample for at most every batch, and at least one.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (commits, scripts) = loop {
+        let text = scrape_metrics(&metrics_addr);
+        let stage = |name: &str| {
+            metric_value(
+                &text,
+                &format!("tally_stage_seconds_count{{stage=\"{name}\"}}"),
+            )
+            .unwrap_or(0.0)
+        };
+        let (commits, scripts) = (stage("commit"), stage("script"));
+        if commits > 0.0 || Instant::now() > deadline {
+            eprintln!(
+                "[e2e_exact] metrics:\n{}",
+                text.lines()
+                    .filter(|l| l.starts_with("tally_"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            break (commits, scripts);
         }
-        Err(e) => eprintln!("[e2e_exact] metrics not readable at {metrics_addr}: {e}"),
-    }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        commits > 0.0 && commits <= scripts,
+        "the commit stage timed {commits} commits for {scripts} scripts"
+    );
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(

@@ -566,7 +566,11 @@ fn tls_problems(input: &KafkaSecurityInput) -> Vec<ConfigError> {
 const RESERVED_KAFKA_KEYS: &[(&str, &str)] = &[
     (
         "enable.auto.commit",
-        "tally commits offsets itself, only after Redis has the batch",
+        "tally commits only the offsets it stored after Redis had the batch",
+    ),
+    (
+        "auto.commit.interval.ms",
+        "tally commits its stored offsets every 100 ms, so lag trails the counts by little",
     ),
     (
         "enable.auto.offset.store",
@@ -1060,9 +1064,10 @@ mod tests {
             ),
             (
                 "enable.auto.commit",
-                "true",
-                "only after Redis has the batch",
+                "false",
+                "stored after Redis had the batch",
             ),
+            ("auto.commit.interval.ms", "5000", "every 100 ms"),
             (
                 "enable.auto.offset.store",
                 "true",

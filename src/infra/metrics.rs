@@ -83,12 +83,13 @@ pub const STAGE_SECONDS: &str = "tally_stage_seconds";
 /// The `stage` labels of [`STAGE_SECONDS`]: `fetch` (from the message's
 /// timestamp to its receipt by the consumer), `batch` (from its receipt until
 /// its batch is sent to Redis), `script` (from sending until Redis answered,
-/// retries included). The offset commit comes after the count is visible and
-/// is not timed: librdkafka reports nothing back for an asynchronous manual
-/// commit.
-pub const STAGES: [&str; 3] = ["fetch", "batch", "script"];
+/// retries included), `commit` (from queueing the batch's offset commit, once
+/// the script answered, until the group coordinator acknowledged it, as the
+/// consumer's commit callback reports). The count is visible before `commit`
+/// starts: the commit stage is how far the group's offsets trail the counts.
+pub const STAGES: [&str; 4] = ["fetch", "batch", "script", "commit"];
 /// The `step` labels of [`REGISTRY_UNREPLICATED`].
-pub const REGISTRY_STEPS: [&str; 3] = ["reserve", "publish", "rebucket"];
+pub const REGISTRY_STEPS: [&str; 4] = ["reserve", "publish", "rebucket", "unfreeze"];
 
 /// Offsets never applied because they left the log first, by `reason`
 /// (`retention`: deleted before tally applied them).
@@ -165,7 +166,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         STAGE_SECONDS,
         Kind::Histogram,
-        "Where produce-to-visible time goes, per batch's first message, by stage (fetch, batch, script).",
+        "Where produce-to-visible time goes, per batch's first message, by stage (fetch, batch, script; commit: the offset commit after the count is visible).",
     ),
     (REDIS_RETRIES, Kind::Counter, "Redis errors retried."),
     (

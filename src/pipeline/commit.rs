@@ -2,7 +2,13 @@
 //!
 //! Invariant: an offset is committed only after the script covering it
 //! succeeded, and the committed value is `last + 1` (the next offset to read,
-//! as Kafka defines it). `last` may be a transaction marker: a range the
+//! as Kafka defines it). The consumer stores that offset once the script
+//! answered, and librdkafka commits what is stored every
+//! [`COMMIT_INTERVAL_MS`](crate::pipeline::consume::COMMIT_INTERVAL_MS), when
+//! a partition is revoked, and at close; nothing is ever stored before its
+//! script succeeded, so nothing else can be committed. (Stored offsets rather
+//! than a manual asynchronous commit: only the consumer's own commits report
+//! back to its commit callback, which times the `commit` stage.) `last` may be a transaction marker: a range the
 //! consumer passed without a message is applied as nothing and committed
 //! like any other, so a partition whose log ends with a marker is committed
 //! to its end. Commits are a hint and the lag signal: a lost or late commit
@@ -34,18 +40,22 @@ impl Committer {
     }
 
     /// Records that everything through `last` of `partition` is in Redis and
-    /// commits `last + 1` asynchronously.
+    /// stores `last + 1` for the consumer's next commit.
     pub fn applied(&mut self, consumer: &LikeConsumer, partition: i32, last: i64) {
         let next = last + 1;
         self.applied.insert(partition, next);
         let mut tpl = TopicPartitionList::new();
         if tpl
             .add_partition_offset(&self.topic, partition, Offset::Offset(next))
-            .is_ok()
-            && let Err(error) = consumer.commit(&tpl, CommitMode::Async)
+            .is_err()
         {
-            crate::infra::metrics::commit_failed();
-            debug!(partition, next, %error, "Async commit not queued.");
+            return;
+        }
+        // Refused for a partition this consumer no longer owns: its new owner
+        // commits it.
+        match consumer.store_offsets(&tpl) {
+            Ok(()) => consumer.context().commit_queued(partition, next),
+            Err(error) => debug!(partition, next, %error, "Offset not stored for commit."),
         }
     }
 

@@ -17,8 +17,10 @@
 //! its partitions back without a rebalance, but through a new consumer, whose
 //! assignment passes here too.
 //!
-//! Offsets are never auto-committed or auto-stored: see [`crate::pipeline::commit`].
+//! Offsets are never auto-stored: only an applied batch stores its offset,
+//! and librdkafka commits what is stored (see [`crate::pipeline::commit`]).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -79,7 +81,14 @@ pub struct TallyContext {
     /// consumer, the protocol can come back as none or never come back, and
     /// the close then waits forever for an unassignment of the wrong kind.
     cooperative: bool,
+    /// Asynchronous commits awaiting the coordinator's answer: per partition,
+    /// the committed offset and when it was queued, oldest first.
+    commits: Mutex<HashMap<i32, VecDeque<(i64, Instant)>>>,
 }
+
+/// Commits queued per partition that are still timed; an older one whose
+/// answer never came is dropped rather than kept forever.
+const COMMITS_TIMED: usize = 64;
 
 impl TallyContext {
     /// A context for one topic.
@@ -91,6 +100,46 @@ impl TallyContext {
             refused: Mutex::new(None),
             cooperative: false,
             group_acl: None,
+            commits: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Notes that `next` was stored for `partition` now, so the answer to the
+    /// commit that carries it times the `commit` stage.
+    pub fn commit_queued(&self, partition: i32, next: i64) {
+        let mut commits = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+        let queued = commits.entry(partition).or_default();
+        if queued.len() == COMMITS_TIMED {
+            queued.pop_front();
+        }
+        queued.push_back((next, Instant::now()));
+    }
+
+    /// Records the `commit` stage of each partition `offsets` acknowledges:
+    /// from the queueing of that offset's commit until now. Earlier commits
+    /// of the partition are settled by it (a commit covers every offset
+    /// below it) and are not timed twice.
+    fn commits_answered(&self, offsets: &TopicPartitionList) {
+        let mut commits = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+        for element in offsets.elements_for_topic(&self.topic) {
+            let Offset::Offset(next) = element.offset() else {
+                continue;
+            };
+            let Some(queued) = commits.get_mut(&element.partition()) else {
+                continue;
+            };
+            let mut answered = None;
+            while let Some(&(offset, at)) = queued.front()
+                && offset <= next
+            {
+                queued.pop_front();
+                if offset == next {
+                    answered = Some(at);
+                }
+            }
+            if let Some(at) = answered {
+                crate::infra::metrics::stage("commit", at.elapsed());
+            }
         }
     }
 
@@ -352,10 +401,13 @@ impl ConsumerContext for TallyContext {
         }
     }
 
-    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
-        if let Err(error) = result {
-            crate::infra::metrics::commit_failed();
-            debug!(%error, "Offset commit failed (the fence in Redis stays authoritative).");
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => self.commits_answered(offsets),
+            Err(error) => {
+                crate::infra::metrics::commit_failed();
+                debug!(%error, "Offset commit failed (the fence in Redis stays authoritative).");
+            }
         }
     }
 }
@@ -366,8 +418,13 @@ const LOG_TIMEOUT: Duration = Duration::from_secs(2);
 /// The consumer type tally runs.
 pub type LikeConsumer = StreamConsumer<TallyContext>;
 
-/// Creates the consumer of `group`: manual commits, nothing stored
-/// automatically; `kafka`'s security and extra settings apply on top of
+/// How often the consumer commits the offsets its applied batches stored:
+/// short, so that the group's offsets and the lag they show trail the counts
+/// by little.
+pub const COMMIT_INTERVAL_MS: &str = "100";
+
+/// Creates the consumer of `group`: nothing stored automatically, stored
+/// offsets committed every [`COMMIT_INTERVAL_MS`]; `kafka`'s security and extra settings apply on top of
 /// tally's defaults, but never over the group and the commit settings.
 pub fn create_consumer(
     kafka: &KafkaSettings,
@@ -401,7 +458,8 @@ pub fn create_consumer(
     config
         .set("group.id", group)
         .set("group.protocol", kafka.group_protocol.as_str())
-        .set("enable.auto.commit", "false")
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", COMMIT_INTERVAL_MS)
         .set("enable.auto.offset.store", "false");
     if let Some(instance) = &kafka.group_instance_id {
         config.set("group.instance.id", instance);
