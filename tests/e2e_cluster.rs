@@ -1,5 +1,6 @@
 //! tally on a real Redis Cluster: exact counts with a viral post spread over
-//! every primary, through slot migration, SCRIPT FLUSH, primary failover, a
+//! every primary, through slot migration (`MIGRATE`, and on Valkey 9 the atomic
+//! `CLUSTER MIGRATESLOTS` with a kill), SCRIPT FLUSH, primary failover, a
 //! primary restarted from an AOF that lost its last writes, and consumers
 //! killed between the scripts of one batch; and a rebuild under live traffic,
 //! verify and gc, each across every primary. A restart with another
@@ -10,7 +11,7 @@ mod cluster;
 mod common;
 mod library;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::Command;
 use std::thread;
 use std::time::Duration;
@@ -335,4 +336,312 @@ fn rebuild_verify_and_gc_on_a_cluster() {
     assert_counts_eq(&cluster.read_counts(&g1), &workload.truth);
     let status = live.sigterm_and_wait(Duration::from_secs(30));
     assert!(status.success(), "exit {status}:\n{}", live.log_tail(30));
+}
+
+/// Valkey 9's atomic slot migration (`CLUSTER MIGRATESLOTS`) under live traffic. Every slot
+/// holding one of tally's keys (counters and fences of each slot group, origins, the layout
+/// record, the routing registry, heat) moves from two primaries to the third while tally counts;
+/// tally is SIGKILLed while those migrations run and started again at once. Then the third
+/// primary sends each slot on to the primary it did not come from, in one command with two
+/// targets, under the restarted consumer. Every count is exact, and CLUSTER SHARDS on every
+/// primary names each slot's new owner, which holds its keys. No primary imports and exports at
+/// once: Valkey 9.1.2 can abort then (docs/operations.md). Redis 7.0 has no atomic migration
+/// (only `MIGRATE`, tested above): there the test checks that the server refuses the command.
+#[test]
+fn atomic_slot_migration_with_a_kill_counts_exactly() {
+    let cluster = RedisCluster::start(3, 0);
+    let mut primaries = cluster.primaries();
+    primaries.sort();
+    if Store::current() == Store::Redis {
+        // A slot the first primary owns, so a server that knew the command would start moving it.
+        let (source, id) = &primaries[0];
+        let slot = cluster
+            .shard_owners(*source)
+            .into_iter()
+            .filter(|(_, owner)| owner == id)
+            .map(|(slot, _)| slot)
+            .min()
+            .expect("a slot on the first primary");
+        let refused = cluster
+            .migrate_slots(*source, &[(vec![(slot, slot)], primaries[1].1.clone())])
+            .expect_err(
+                "redis-server accepted CLUSTER MIGRATESLOTS: run this test's Valkey path on it",
+            );
+        let text = refused.to_string();
+        assert!(
+            text.contains("unknown subcommand") && text.contains("MIGRATESLOTS"),
+            "{text}"
+        );
+        eprintln!(
+            "[e2e_cluster] atomic slot migration NOT tested: redis-server refuses CLUSTER MIGRATESLOTS ({text}); it is Valkey 9's, run with TALLY_TEST_STORE=valkey"
+        );
+        return;
+    }
+
+    let (run, workload) = setup("cluster-atomic", 40_000);
+    let tally_args = args(&run, &cluster, &[]);
+    let mut first = Tally::spawn_args("tally-1", &tally_args);
+    let producer = run.stream(workload, 1_000, Duration::from_millis(100));
+    let fences = format!("{}:fence:{}:{}:*", run.prefix, run.group, run.topic);
+    wait_for(
+        "a fence in every slot group of every partition",
+        Duration::from_secs(60),
+        || {
+            first.assert_running();
+            (cluster.scan(&fences).len() == PARTITIONS as usize * GROUPS).then_some(())
+        },
+    );
+    // Hot-post detection shares each second's heat under a hash tag of its own.
+    let heat = format!("{}:heat:*", run.prefix);
+    wait_for("the heat of hot posts", Duration::from_secs(60), || {
+        first.assert_running();
+        (!cluster.key_slots(&heat).is_empty()).then_some(())
+    });
+
+    // First move, to the third primary: the snapshots take about 3 s, long enough to kill
+    // tally in the middle.
+    let hub = primaries[2].0;
+    let origin = cluster.key_slots(&format!("{}:*", run.prefix));
+    let moves = start_moves(
+        &cluster,
+        &origin,
+        |_, owner| (owner != hub).then_some(hub),
+        Duration::from_secs(3),
+    );
+    thread::sleep(Duration::from_millis(700));
+    first.kill9();
+    let states = moves.states(&cluster);
+    assert!(
+        !states.is_empty() && states.iter().all(|s| !finished(s)),
+        "tally was to be killed while every migration ran: {states:?}"
+    );
+    eprintln!("[e2e_cluster] tally SIGKILLed while the migrations were {states:?}");
+    let mut second = Tally::spawn_args("tally-2", &tally_args);
+    moves.wait_done(&cluster, || second.assert_running());
+
+    // Second move, from the third primary to the other two, under the restarted consumer.
+    let applied = |cluster: &RedisCluster| -> i64 {
+        cluster
+            .scan(&fences)
+            .values()
+            .map(|v| v.parse::<i64>().unwrap())
+            .sum()
+    };
+    let before = applied(&cluster);
+    wait_for(
+        "the restarted tally to apply new events",
+        Duration::from_secs(60),
+        || {
+            second.assert_running();
+            (applied(&cluster) > before).then_some(())
+        },
+    );
+    // Every slot tally writes went to the third primary: none came into use since.
+    let now = cluster.key_slots(&format!("{}:*", run.prefix));
+    let stray: Vec<_> = now.iter().filter(|(_, (port, _))| *port != hub).collect();
+    assert!(
+        stray.is_empty(),
+        "slots tally wrote after the first move: {stray:?}"
+    );
+    let (a, b) = (primaries[0].0, primaries[1].0);
+    let moves = start_moves(
+        &cluster,
+        &now,
+        |slot, owner| match origin.get(&slot).map(|&(port, _)| port) {
+            _ if owner != hub => None,
+            Some(port) if port == a => Some(b),
+            Some(port) if port == b => Some(a),
+            _ => Some(if slot % 2 == 0 { a } else { b }),
+        },
+        Duration::from_millis(1_500),
+    );
+    moves.wait_done(&cluster, || second.assert_running());
+    thread::sleep(Duration::from_secs(2));
+
+    let workload = producer.stop();
+    eprintln!("[e2e_cluster] {}", workload.describe());
+    // What tally saw of the moves: the cluster client follows MOVED by itself; tally's own
+    // retries ("retrying") would show an error it had to classify.
+    for t in [&first, &second] {
+        let log = t.log_text();
+        let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" WARN ")).collect();
+        eprintln!(
+            "[e2e_cluster] {}: {} warnings, {} retried by tally{}",
+            t.log_path().display(),
+            warnings.len(),
+            warnings.iter().filter(|l| l.contains("retrying")).count(),
+            warnings
+                .iter()
+                .take(3)
+                .map(|l| format!("\n  {l}"))
+                .collect::<String>()
+        );
+    }
+    finish(&run, &cluster, &workload, &mut [&mut second]);
+}
+
+/// Atomic migrations started by [`start_moves`]: slot → (source port, target port, target id),
+/// and the export jobs' names on each source.
+struct Moves {
+    slots: BTreeMap<u16, (u16, u16, String)>,
+    jobs: Vec<(u16, HashSet<String>)>,
+}
+
+/// Whether a migration job's state is final.
+fn finished(state: &str) -> bool {
+    matches!(state, "success" | "failed" | "cancelled")
+}
+
+/// Moves each slot of `found` (slot → (owner port, keys), from [`RedisCluster::key_slots`])
+/// whose `target(slot, owner)` is another primary: one `CLUSTER MIGRATESLOTS` per source, with a
+/// `SLOTSRANGE` group per target and a range per run of neighbouring slots. Each source's
+/// snapshot is stretched to about `snapshot` with `rdb-key-save-delay` (a pause per key in the
+/// fork that writes it), as slots holding many more keys would take.
+fn start_moves(
+    cluster: &RedisCluster,
+    found: &BTreeMap<u16, (u16, usize)>,
+    target: impl Fn(u16, u16) -> Option<u16>,
+    snapshot: Duration,
+) -> Moves {
+    let ids: HashMap<u16, String> = cluster.primaries().into_iter().collect();
+    // Per source: the ranges for each target, and how many keys the source holds in them.
+    type Ranges = BTreeMap<u16, Vec<(u16, u16)>>;
+    let mut by_source: BTreeMap<u16, (Ranges, usize)> = BTreeMap::new();
+    let mut slots = BTreeMap::new();
+    for (&slot, &(owner, keys)) in found {
+        let Some(to) = target(slot, owner).filter(|&to| to != owner) else {
+            continue;
+        };
+        slots.insert(slot, (owner, to, ids[&to].clone()));
+        let (targets, total) = by_source.entry(owner).or_default();
+        *total += keys;
+        let ranges = targets.entry(to).or_default();
+        match ranges.last_mut() {
+            Some((_, last)) if *last + 1 == slot => *last = slot,
+            _ => ranges.push((slot, slot)),
+        }
+    }
+    let mut jobs = Vec::new();
+    for (&source, (targets, keys)) in &by_source {
+        let delay_us = (snapshot.as_micros() as usize / (*keys).max(1)).clamp(10, 50_000);
+        cluster.config_set(source, "rdb-key-save-delay", &delay_us.to_string());
+        let known: HashSet<String> = export_jobs(cluster, source)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        let groups: Vec<(Vec<(u16, u16)>, String)> = targets
+            .iter()
+            .map(|(to, ranges)| (ranges.clone(), ids[to].clone()))
+            .collect();
+        let reply = cluster
+            .migrate_slots(source, &groups)
+            .unwrap_or_else(|e| panic!("CLUSTER MIGRATESLOTS on {source}: {e}"));
+        assert_eq!(reply, "OK");
+        let started: HashSet<String> = export_jobs(cluster, source)
+            .into_iter()
+            .map(|(name, _)| name)
+            .filter(|name| !known.contains(name))
+            .collect();
+        assert_eq!(
+            started.len(),
+            targets.len(),
+            "export jobs started on {source}"
+        );
+        for (to, ranges) in targets {
+            eprintln!(
+                "[e2e_cluster] MIGRATESLOTS from {source} to {to}: {} slots in {} ranges ({keys} keys on the source, {delay_us} µs a key)",
+                ranges
+                    .iter()
+                    .map(|(f, l)| usize::from(l - f) + 1)
+                    .sum::<usize>(),
+                ranges.len(),
+            );
+        }
+        jobs.push((source, started));
+    }
+    Moves { slots, jobs }
+}
+
+/// (name, state) of each export job `port` knows.
+fn export_jobs(cluster: &RedisCluster, port: u16) -> Vec<(String, String)> {
+    cluster
+        .slot_migrations(port)
+        .into_iter()
+        .filter(|job| job.get("operation").map(String::as_str) == Some("EXPORT"))
+        .map(|job| (job["name"].clone(), job["state"].clone()))
+        .collect()
+}
+
+impl Moves {
+    /// The state of each of these jobs.
+    fn states(&self, cluster: &RedisCluster) -> Vec<String> {
+        let mut states = Vec::new();
+        for (source, names) in &self.jobs {
+            for (name, state) in export_jobs(cluster, *source) {
+                if names.contains(&name) {
+                    states.push(state);
+                }
+            }
+        }
+        states
+    }
+
+    /// Waits until every job succeeded, then until CLUSTER SHARDS on every primary names each
+    /// slot's target as its owner, the target holds the slot's keys and the source none.
+    fn wait_done(&self, cluster: &RedisCluster, mut check: impl FnMut()) {
+        let states = wait_for("the migrations to finish", Duration::from_secs(60), || {
+            check();
+            let states = self.states(cluster);
+            states.iter().all(|s| finished(s)).then_some(states)
+        });
+        assert!(
+            states.iter().all(|s| s == "success"),
+            "migrations ended {states:?}"
+        );
+        for (source, _) in &self.jobs {
+            cluster.config_set(*source, "rdb-key-save-delay", "0");
+        }
+        let ports: Vec<u16> = cluster.primaries().into_iter().map(|(p, _)| p).collect();
+        let misplaced = |cluster: &RedisCluster| -> Vec<String> {
+            let mut wrong = Vec::new();
+            for &port in &ports {
+                let owners = cluster.shard_owners(port);
+                for (slot, (_, _, to)) in &self.slots {
+                    if owners.get(slot) != Some(to) {
+                        wrong.push(format!("{port} sees slot {slot} on {:?}", owners.get(slot)));
+                    }
+                }
+            }
+            for (slot, (from, to, _)) in &self.slots {
+                let (left, arrived) = (
+                    cluster.keys_in_slot(*from, *slot),
+                    cluster.keys_in_slot(*to, *slot),
+                );
+                if left != 0 || arrived == 0 {
+                    wrong.push(format!(
+                        "slot {slot}: {left} keys left on {from}, {arrived} on {to}"
+                    ));
+                }
+            }
+            wrong
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            check();
+            let wrong = misplaced(cluster);
+            if wrong.is_empty() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "slots not moved: {}",
+                wrong.join("; ")
+            );
+            thread::sleep(Duration::from_millis(200));
+        }
+        eprintln!(
+            "[e2e_cluster] {} slots moved: CLUSTER SHARDS on every primary names their targets",
+            self.slots.len()
+        );
+    }
 }

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -337,13 +337,133 @@ impl RedisCluster {
         );
     }
 
+    /// `CLUSTER MIGRATESLOTS SLOTSRANGE <first> <last> ... NODE <id> [SLOTSRANGE ... NODE ...]`
+    /// sent to `source` (Valkey 9's atomic slot migration), one `SLOTSRANGE ... NODE` group per
+    /// target: the server's answer as is, so a store without the command can be seen refusing
+    /// it. The migrations run on after the `OK`; see [`RedisCluster::slot_migrations`].
+    pub fn migrate_slots(
+        &self,
+        source: u16,
+        moves: &[(Vec<(u16, u16)>, String)],
+    ) -> redis::RedisResult<String> {
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("MIGRATESLOTS");
+        for (ranges, to) in moves {
+            cmd.arg("SLOTSRANGE");
+            for (first, last) in ranges {
+                cmd.arg(first).arg(last);
+            }
+            cmd.arg("NODE").arg(to);
+        }
+        cmd.query(&mut conn(source))
+    }
+
+    /// `CLUSTER GETSLOTMIGRATIONS` on `port`: each import or export job the node knows, as
+    /// field → text (`operation`, `slot_ranges`, `source_node`, `target_node`, `state`, ...).
+    pub fn slot_migrations(&self, port: u16) -> Vec<HashMap<String, String>> {
+        let jobs: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+            .arg("GETSLOTMIGRATIONS")
+            .query(&mut conn(port))
+            .unwrap();
+        jobs.iter()
+            .map(|fields| {
+                fields
+                    .chunks(2)
+                    .filter_map(|kv| Some((text(&kv[0])?, text(kv.get(1)?)?)))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The owner (node id) of every assigned slot, as `CLUSTER SHARDS` on `port` reports it.
+    pub fn shard_owners(&self, port: u16) -> HashMap<u16, String> {
+        let shards: Vec<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SHARDS")
+            .query(&mut conn(port))
+            .unwrap();
+        let mut owners = HashMap::new();
+        for shard in &shards {
+            let fields = pairs(shard);
+            let primary = fields
+                .get("nodes")
+                .and_then(|nodes| match nodes {
+                    redis::Value::Array(nodes) => nodes.iter().map(pairs).find(|n| {
+                        n.get("role").and_then(|v| text(v)).as_deref() == Some("master")
+                            && n.get("health").and_then(|v| text(v)).as_deref() == Some("online")
+                    }),
+                    _ => None,
+                })
+                .and_then(|node| node.get("id").and_then(|v| text(v)));
+            let (Some(primary), Some(redis::Value::Array(slots))) = (primary, fields.get("slots"))
+            else {
+                continue;
+            };
+            let bounds: Vec<u16> = slots
+                .iter()
+                .map(|s| text(s).and_then(|s| s.parse().ok()).expect("a slot number"))
+                .collect();
+            for range in bounds.chunks(2) {
+                for slot in range[0]..=range[1] {
+                    owners.insert(slot, primary.clone());
+                }
+            }
+        }
+        owners
+    }
+
+    /// The hash slot of every key matching `pattern`, by the server (`CLUSTER KEYSLOT`), with
+    /// the port of the primary holding it and how many such keys it holds there.
+    pub fn key_slots(&self, pattern: &str) -> BTreeMap<u16, (u16, usize)> {
+        let mut slots = BTreeMap::new();
+        for (port, _) in self.primaries() {
+            let mut c = conn(port);
+            let keys = scan_keys(&mut c, pattern);
+            if keys.is_empty() {
+                continue;
+            }
+            let mut pipe = redis::pipe();
+            for key in &keys {
+                pipe.cmd("CLUSTER").arg("KEYSLOT").arg(key);
+            }
+            let found: Vec<u16> = pipe.query(&mut c).unwrap();
+            for slot in found {
+                slots.entry(slot).or_insert((port, 0)).1 += 1;
+            }
+        }
+        slots
+    }
+
+    /// `CLUSTER COUNTKEYSINSLOT` on `port`.
+    pub fn keys_in_slot(&self, port: u16, slot: u16) -> usize {
+        redis::cmd("CLUSTER")
+            .arg("COUNTKEYSINSLOT")
+            .arg(slot)
+            .query(&mut conn(port))
+            .unwrap()
+    }
+
+    /// `CONFIG SET <name> <value>` on one node.
+    pub fn config_set(&self, port: u16, name: &str, value: &str) {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut conn(port))
+            .unwrap();
+    }
+
     /// Every key matching `pattern` on every primary, with its string value.
     pub fn scan(&self, pattern: &str) -> HashMap<String, String> {
         let mut all = HashMap::new();
         for (port, _) in self.primaries() {
             let mut c = conn(port);
             for key in scan_keys(&mut c, pattern) {
-                let value: Option<String> = redis::cmd("GET").arg(&key).query(&mut c).unwrap();
+                let value: Option<String> = match redis::cmd("GET").arg(&key).query(&mut c) {
+                    Ok(value) => value,
+                    // The key's slot moved away between SCAN and GET; its new owner has it.
+                    Err(e) if matches!(e.code(), Some("MOVED" | "ASK")) => continue,
+                    Err(e) => panic!("GET {key} on {port}: {e}"),
+                };
                 if let Some(value) = value {
                     all.insert(key, value);
                 }
@@ -418,8 +538,47 @@ impl RedisCluster {
 
 impl Drop for RedisCluster {
     fn drop(&mut self) {
+        if thread::panicking() {
+            self._dir.disable_cleanup(true);
+            eprintln!(
+                "[cluster] nodes' files kept in {}",
+                self._dir.path().display()
+            );
+        }
         for node in &mut self.nodes {
+            if thread::panicking() {
+                eprintln!(
+                    "[cluster] node {} log tail:\n{}",
+                    node.port,
+                    crate::common::file_tail(&node.dir.join("stdout.log"), 15)
+                );
+            }
             node.kill();
         }
+    }
+}
+
+/// A simple or bulk string, or an integer, as text.
+fn text(value: &redis::Value) -> Option<String> {
+    match value {
+        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// A reply's field → value pairs: a RESP2 flat array or a RESP3 map.
+fn pairs(value: &redis::Value) -> HashMap<String, &redis::Value> {
+    match value {
+        redis::Value::Array(items) => items
+            .chunks(2)
+            .filter_map(|kv| Some((text(&kv[0])?, kv.get(1)?)))
+            .collect(),
+        redis::Value::Map(items) => items
+            .iter()
+            .filter_map(|(k, v)| Some((text(k)?, v)))
+            .collect(),
+        _ => HashMap::new(),
     }
 }
