@@ -1,6 +1,7 @@
 //! Operations on stored counts: rebuild a generation from the topic, verify
 //! counts against it, remove old generations, change a post's routing,
-//! reset the fences of a log that was replaced.
+//! undo routing made final far ahead, reset the fences of a log that was
+//! replaced.
 //!
 //! Each returns what it did as data; the CLI decides how to show it.
 
@@ -8,6 +9,7 @@ pub mod gc;
 pub mod promote;
 pub mod rebuild;
 pub mod reset;
+pub mod unfreeze;
 pub mod verify;
 
 use rdkafka::error::KafkaError;
@@ -56,6 +58,9 @@ pub enum OpError {
     /// Publishing a routing version failed, or too few replicas held it.
     #[error(transparent)]
     Publish(#[from] crate::domain::versions::PublishError),
+    /// `tally unfreeze-routing` changed nothing; the text says why.
+    #[error(transparent)]
+    Unfreeze(#[from] unfreeze::Refusal),
     /// A blocking task of the operation panicked.
     #[error("a worker task failed: {0}")]
     Task(#[from] tokio::task::JoinError),

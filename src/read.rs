@@ -50,6 +50,10 @@ use crate::domain::versions::{
 };
 use crate::infra::store::Shared;
 
+/// How long a count is served from the cache unless told otherwise (milliseconds; `tally
+/// serve --cache-ttl-ms`).
+pub const DEFAULT_CACHE_TTL_MS: u64 = 1_000;
+
 /// How long a reader trusts the generation pointer it read.
 pub const POINTER_TTL: Duration = Duration::from_secs(1);
 

@@ -6,6 +6,12 @@
 //! timestamps past 2100. On the cluster a rebuild from the topic gives the same counts, and a
 //! generation pointer set back by hand afterwards (a failover that lost the switch) is not
 //! followed: the live writer keeps writing the newer generation.
+//!
+//! A like stamped in 2099 on a cluster freezes routing until 2099: `tally promote` and
+//! `tally rebucket` refuse. `tally unfreeze-routing`, run while two consumers (one refreshing its
+//! routing every 100 ms, one every 2 s) count live traffic, lets a promotion take effect within
+//! seconds; a consumer SIGKILLed after it replays across it, every count is exact, and a rebuild
+//! replays the 2099 like by the routing it was counted with, without freezing routing again.
 
 mod cluster;
 mod common;
@@ -231,4 +237,207 @@ fn wrong_clocks_stall_nothing_on_a_cluster_and_a_rebuild_agrees() {
     let text = scrape_metrics(&metrics);
     assert!(metric_value(&text, "tally_generation_backwards_total").unwrap_or(0.0) >= 1.0);
     assert!(tally.sigterm_and_wait(Duration::from_secs(30)).success());
+}
+
+/// 2099-06-01, in the last year before timestamps are dead-lettered.
+const YEAR_2099_MS: i64 = 4_083_955_200_000;
+
+/// The registry's `final` time under `prefix`, read from the cluster.
+fn final_time(cluster: &RedisCluster, prefix: &str) -> i64 {
+    let node = format!("redis://127.0.0.1:{}/", cluster.primaries()[0].0);
+    let mut conn = redis::cluster::ClusterClient::new(vec![node])
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let value: Option<i64> = redis::cmd("HGET")
+        .arg(format!("{prefix}:routes"))
+        .arg("final")
+        .query(&mut conn)
+        .unwrap();
+    value.unwrap_or(0)
+}
+
+/// `tally <command> <args>` against the run's store; the finished command's output.
+fn one_shot(command: &str, args: &[&str], store: &[String]) -> std::process::Output {
+    let mut all: Vec<&str> = vec![command];
+    all.extend(args);
+    all.extend(store.iter().map(String::as_str));
+    tally_cli(&all)
+}
+
+#[test]
+fn an_unfreeze_under_traffic_lets_routing_change_and_keeps_every_count() {
+    const HOT: u64 = 900_000_010;
+    const STAMPED_2099: u64 = 900_000_011;
+    let cluster = RedisCluster::start(3, 0);
+    let run = Scenario::with_topic(
+        &brokers(),
+        "e2e_future_unfreeze",
+        "unfreeze",
+        PARTITIONS,
+        &[ANY_PRODUCER_CLOCK],
+    );
+    let dlq = dead_letter_topic(&run);
+    let groups = GROUPS.to_string();
+    // Detection off: the hot post changes routing only when the test promotes it.
+    let extra = ["--slot-groups", groups.as_str(), "--promote-above", "0"];
+    let consumer = |name: &str, refresh_ms: &str, metrics: &str| {
+        let mut extra = extra.to_vec();
+        extra.extend(["--route-refresh-ms", refresh_ms]);
+        Tally::spawn_args(name, &args(&run, &cluster.url(), &dlq, metrics, &extra))
+    };
+    let (fast_metrics, slow_metrics) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let mut fast = consumer("fast-cache", "100", &fast_metrics);
+    let mut slow = consumer("slow-cache", "2000", &slow_metrics);
+    let store: Vec<String> = ["--redis", &cluster.url(), "--prefix", &run.prefix]
+        .map(String::from)
+        .to_vec();
+    let mut full: Vec<String> = run.tally_args(&cluster.url());
+    full.extend(extra.iter().map(|s| s.to_string()));
+    let full: Vec<&str> = full.iter().map(String::as_str).collect();
+    let hot_post = HOT.to_string();
+
+    let background = run.stream(
+        Workload::new(run.seed, PARTITIONS),
+        200,
+        Duration::from_millis(100),
+    );
+    let hot = run.hot_likes(
+        HOT,
+        20,
+        PARTITIONS,
+        Duration::from_millis(100),
+        run.seed ^ 3,
+    );
+    thread::sleep(Duration::from_secs(2));
+    let now = now_ms();
+    produce_stamped(
+        &run.brokers,
+        &run.topic,
+        2,
+        &encode_like(STAMPED_2099, 7, LIKE, now),
+        YEAR_2099_MS,
+    );
+    wait_for("routing to freeze", Duration::from_secs(20), || {
+        fast.assert_running();
+        let ahead = metric_value(
+            &scrape_metrics(&fast_metrics),
+            "tally_routing_final_ahead_seconds",
+        )?;
+        (ahead > 50.0 * 365.0 * 86_400.0).then_some(())
+    });
+
+    // Frozen: a routing change would take effect only in 2099, so it is refused.
+    for (command, change) in [
+        ("promote", vec![hot_post.as_str(), "--to-buckets", "8"]),
+        ("rebucket", vec!["--to-buckets", "4"]),
+    ] {
+        let out = one_shot(command, &change, &store);
+        let said = output_text(&out);
+        assert!(!out.status.success(), "{command} while frozen: {said}");
+        assert!(
+            said.contains("routing is frozen until 2099-06-01")
+                && said.contains("tally unfreeze-routing"),
+            "{command} while frozen: {said}"
+        );
+    }
+
+    // The unfreeze, while both consumers count and the producers go on.
+    let began = Instant::now();
+    let out = tally_cli(&[&["unfreeze-routing"][..], &full].concat());
+    let said = output_text(&out);
+    assert!(out.status.success(), "unfreeze-routing: {said}");
+    assert!(
+        said.contains("routing is frozen until 2099-06-01"),
+        "{said}"
+    );
+    eprintln!(
+        "[e2e_future] unfroze in {:.1} s: {}",
+        began.elapsed().as_secs_f64(),
+        said.trim()
+    );
+    // A promotion takes effect within seconds, and the hot post's new keys fill.
+    let out = one_shot("promote", &[hot_post.as_str(), "--to-buckets", "8"], &store);
+    let said = output_text(&out);
+    assert!(out.status.success(), "promote after the unfreeze: {said}");
+    let effective_in: f64 = said
+        .split("(in ")
+        .nth(1)
+        .and_then(|rest| rest.split(" s)").next())
+        .and_then(|secs| secs.parse().ok())
+        .unwrap_or_else(|| panic!("no effective time in: {said}"));
+    assert!(
+        effective_in < 10.0,
+        "the promotion takes effect in {effective_in} s"
+    );
+    // Not frozen any more: a second unfreeze has nothing to undo.
+    let again = tally_cli(&[&["unfreeze-routing"][..], &full].concat());
+    assert!(
+        error_line(&again).contains("routing is not frozen"),
+        "{}",
+        output_text(&again)
+    );
+
+    let promoted = format!("{}:likes:{HOT}:v1:*", run.prefix);
+    wait_for(
+        "the promoted version's keys",
+        Duration::from_secs(20),
+        || {
+            fast.assert_running();
+            slow.assert_running();
+            (cluster.scan(&promoted).len() > 1).then_some(())
+        },
+    );
+    // A consumer killed now: its partitions are replayed, across the unfreeze and the promotion,
+    // by the other one.
+    slow.kill9();
+    thread::sleep(Duration::from_secs(2));
+
+    let workload = background.stop();
+    let hot_likes = hot.stop();
+    let mut truth = workload.truth.clone();
+    *truth.entry(HOT).or_insert(0) += hot_likes as i64;
+    truth.insert(STAMPED_2099, 1);
+    let hwms = run.hwms(workload.events.len() + hot_likes as usize + 1);
+    cluster.wait_applied(
+        &run.prefix,
+        &run.group,
+        &run.topic,
+        &hwms,
+        GROUPS,
+        Duration::from_secs(30),
+        || fast.assert_running(),
+    );
+    assert_counts_eq(&cluster.read_counts(&run.prefix), &truth);
+    let text = scrape_metrics(&fast_metrics);
+    assert_eq!(metric_value(&text, "tally_routing_unfreezes"), Some(1.0));
+    let ahead = metric_value(&text, "tally_routing_final_ahead_seconds").unwrap();
+    assert!(
+        ahead < 600.0,
+        "routing is final {ahead} s ahead after the unfreeze"
+    );
+    assert!(
+        fast.log_text().contains("Routing was unfrozen"),
+        "the unfreeze is logged"
+    );
+
+    // A recount of the whole topic routes the 2099 like as it was counted: by the unfreeze's
+    // record, without making routing final up to 2099 in the new generation.
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &full);
+    let status = wait_for("the rebuild to finish", Duration::from_secs(120), || {
+        fast.assert_running();
+        rebuild.try_status()
+    });
+    assert!(status.success(), "rebuild:\n{}", rebuild.log_tail(40));
+    let g1 = format!("{}:g1", run.prefix);
+    assert_counts_eq(&cluster.read_counts(&g1), &truth);
+    let final_g1 = final_time(&cluster, &g1);
+    assert!(
+        final_g1 < now_ms() + 600_000,
+        "the rebuild froze routing again: final {final_g1}"
+    );
+    assert!(fast.sigterm_and_wait(Duration::from_secs(30)).success());
 }

@@ -8,7 +8,8 @@
 //!   generation; a later rebuild, whose abort is refused while it runs, killed and aborted,
 //!   leaves no key behind;
 //! * `tally verify` reports exactly the post whose bucket was corrupted, and nothing otherwise;
-//! * `--from-timestamp` counts exactly the events stamped after it and says how many it skipped.
+//! * `--from-timestamp` counts exactly the events stamped after it and says how many it skipped;
+//!   meanwhile `--metrics-addr` serves its progress alone, which moves and ends at the totals.
 
 mod common;
 mod library;
@@ -50,6 +51,38 @@ fn rebuild_into_g1(conn: &mut redis::Connection, prefix: &str, args: &[&str]) ->
     );
     assert_eq!(pointer(conn, prefix), 1);
     (rebuild, format!("{prefix}:g1"))
+}
+
+/// Scrapes a rebuild's /metrics at `addr` until it exits: per scrape with progress in it, the
+/// offsets recounted and left over every partition, and the phase. Also checks that nothing of
+/// the recounting pipeline is exported, and that every partition has its series.
+fn watch_rebuild_progress(rebuild: &mut Tally, addr: &str) -> Vec<(f64, f64, String)> {
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while rebuild.try_status().is_none() && Instant::now() < deadline {
+        if let Ok(text) = try_scrape_metrics(addr) {
+            let recounted = metric_series(&text, "tally_rebuild_recounted_offsets");
+            let left = metric_series(&text, "tally_rebuild_remaining_offsets");
+            let phase = metric_series(&text, "tally_rebuild_phase")
+                .into_iter()
+                .find(|(_, v)| *v == 1.0)
+                .map(|(labels, _)| labels.trim_matches(['{', '}']).replace("phase=", ""))
+                .map(|p| p.trim_matches('"').to_string());
+            assert!(
+                metric_series(&text, "tally_events_total").is_empty()
+                    && metric_series(&text, "tally_consumer_lag_seconds").is_empty(),
+                "the rebuild exports its pipeline's metrics:\n{text}"
+            );
+            if !recounted.is_empty() {
+                assert_eq!(recounted.len(), Small::PARTITIONS as usize, "{text}");
+                assert_eq!(left.len(), Small::PARTITIONS as usize, "{text}");
+                let sum = |series: &[(String, f64)]| series.iter().map(|(_, v)| v).sum::<f64>();
+                seen.push((sum(&recounted), sum(&left), phase.unwrap_or_default()));
+            }
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    seen
 }
 
 /// The number after `field=` on the last log line holding `needle`.
@@ -541,8 +574,48 @@ fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
         .map(String::as_str)
         .chain(["--from-timestamp", &from_arg])
         .collect();
-    let (rebuild, g1) = rebuild_into_g1(&mut conn, &run.prefix, &refs);
+    // Slowed down (small batches, one at a time, each held a little) so that /metrics shows it
+    // move, and freezing late so that the recount is seen before the cut-over.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let watched: Vec<&str> = refs
+        .iter()
+        .copied()
+        .chain(["--metrics-addr", &metrics, "--cutover-margin", "100"])
+        .chain(["--batch-max-events", "100", "--max-in-flight", "1"])
+        .chain(["--test-script-pause-ms", "40"])
+        .collect();
+    let mut rebuild = Tally::spawn_command("rebuild", "rebuild", &watched);
+    let mut progress = watch_rebuild_progress(&mut rebuild, &metrics);
+    progress.dedup();
+    assert!(
+        wait_exit(&mut rebuild, Duration::from_secs(120)),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    let g1 = format!("{}:g1", run.prefix);
     assert_counts_eq(&read_counts(&mut conn, &g1), &later);
+    eprintln!("[e2e_rebuild] progress scraped (recounted, left, phase): {progress:?}");
+    let totals: Vec<(f64, f64)> = progress.iter().map(|&(r, l, _)| (r, l)).collect();
+    assert!(
+        totals
+            .windows(2)
+            .all(|w| w[1].0 >= w[0].0 && w[1].1 <= w[0].1),
+        "recounted only grows and left only shrinks: {totals:?}"
+    );
+    let distinct: std::collections::BTreeSet<u64> = totals.iter().map(|t| t.0 as u64).collect();
+    assert!(distinct.len() >= 2, "the progress never moved: {totals:?}");
+    assert_eq!(
+        totals.last().copied(),
+        Some((3_000.0, 0.0)),
+        "the recount ends at the events stamped after --from-timestamp, none left"
+    );
+    for phase in ["recounting", "cutover"] {
+        assert!(
+            progress.iter().any(|(_, _, p)| p == phase),
+            "phase {phase} never seen: {progress:?}"
+        );
+    }
     let log = rebuild.log_text();
     assert!(
         log.contains(&format!("--from-timestamp {from} skips them")),

@@ -306,6 +306,21 @@ fn serve_a_read(_: &Ctx, url: &str, prefix: &str) -> Result<String, String> {
     }
 }
 
+/// Routing under `prefix` made final a year ahead, as an event stamped then would on a cluster,
+/// written as the admin on whichever node holds the registry.
+fn freeze_routing(ctx: &Ctx, prefix: &str) {
+    let ahead = now_ms() + 365 * 86_400_000;
+    let written = ctx.ports.iter().any(|&port| {
+        redis::cmd("HSET")
+            .arg(format!("{prefix}:routes"))
+            .arg("final")
+            .arg(ahead)
+            .query::<()>(&mut admin(port))
+            .is_ok()
+    });
+    assert!(written, "no node took the registry's final time");
+}
+
 fn steps() -> Vec<Step> {
     let one_shot =
         |name: &'static str, make: fn(&Ctx, &str, &str) -> Vec<String>, secs: u64| Step {
@@ -381,6 +396,15 @@ fn steps() -> Vec<Step> {
             },
             30,
         ),
+        Step {
+            name: "unfreeze-routing",
+            run: Box::new(|ctx, url, prefix| {
+                freeze_routing(ctx, prefix);
+                let mut args = owned(&["unfreeze-routing"]);
+                args.extend(kafka_args(ctx, url, prefix, &format!("{prefix}-group")));
+                outcome(&finish(&args, Duration::from_secs(60)))
+            }),
+        },
         one_shot(
             "verify",
             |ctx, url, prefix| {

@@ -3,6 +3,8 @@
 //! HEAD's version (a change not committed yet) nor against any version of the file in the
 //! history (producers in the wild may have compiled any of them). buf comes from npm
 //! (`ensure_buf` in scripts/lib.sh); without it these tests fail with the install command.
+//! The options that place generated code are pinned here, since buf.yaml turns off the three
+//! rules that would otherwise keep them.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -79,6 +81,46 @@ fn the_contract_breaks_no_earlier_version() {
     eprintln!(
         "[proto_contract] no breaking change against {} versions",
         against.len()
+    );
+}
+
+/// go_package, java_package and java_multiple_files keep their values: changing one moves the
+/// generated code of every producer that regenerates. buf.yaml turns off the FILE_SAME_* rules
+/// for these three (and only these), since buf also counts adding them as a change.
+#[test]
+fn the_generated_code_options_keep_their_values() {
+    let source = std::fs::read_to_string(repo().join("proto/tally/v1/like_event.proto")).unwrap();
+    let options: Vec<&str> = source
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("option "))
+        .collect();
+    assert_eq!(
+        options,
+        [
+            r#"option go_package = "tally.example.com/gen/go/tally/v1;tallyv1";"#,
+            "option java_multiple_files = true;",
+            r#"option java_package = "com.example.tally.v1";"#,
+        ],
+        "the contract's file options changed"
+    );
+    let config = std::fs::read_to_string(repo().join("buf.yaml")).unwrap();
+    let excepted: Vec<&str> = config
+        .split("except:")
+        .nth(1)
+        .expect("buf.yaml's breaking except")
+        .lines()
+        .map(str::trim)
+        .take_while(|l| l.is_empty() || l.starts_with("- "))
+        .filter_map(|l| l.strip_prefix("- "))
+        .collect();
+    assert_eq!(
+        excepted,
+        [
+            "FILE_SAME_GO_PACKAGE",
+            "FILE_SAME_JAVA_PACKAGE",
+            "FILE_SAME_JAVA_MULTIPLE_FILES"
+        ]
     );
 }
 

@@ -1,6 +1,7 @@
 //! The routing registry against a real redis-server, where a failover would bite: its clock
 //! never goes back below what it answered before, publications take effect after it, and a
-//! reader sums a version the registry lists even when the post's route hash lost it.
+//! reader sums a version the registry lists even when the post's route hash lost it. And the
+//! two steps of an unfreeze: what they keep, move and refuse.
 
 mod common;
 mod library;
@@ -9,7 +10,9 @@ use std::time::Duration;
 
 use common::*;
 use tally::domain::routing::{CounterId, KeyLayout};
-use tally::domain::versions::{GRACE_MS, Routes, Trigger, wall_ms};
+use tally::domain::versions::{
+    FROZEN_AHEAD_MS, GRACE_MS, Routes, Trigger, UnfreezeBegin, UnfreezeFinish, wall_ms,
+};
 use tally::infra::store::{RedisUrl, Shared};
 
 fn routes(rt: &tokio::runtime::Runtime, url: &str, prefix: &str) -> Routes {
@@ -86,4 +89,115 @@ fn readers_take_versions_from_the_registry_too() {
     assert_eq!(rt.block_on(reader.count(5)).unwrap().likes, 43);
     let (_, summed) = rt.block_on(reader.summed_keys(5)).unwrap();
     assert!(summed.contains(&keys.key_of(hot)), "{summed:?}");
+}
+
+/// 2099-06-01.
+const YEAR_2099_MS: i64 = 4_083_955_200_000;
+
+/// A registry frozen by an event stamped in 2099 (partition 0, offset 10), with a version and
+/// an epoch published while frozen, is unfrozen: the 2099 event keeps the version it was routed
+/// to, the versions published while frozen take effect within seconds, a replay of the event
+/// makes nothing final, and a new event stamped in 2099 freezes routing again.
+#[test]
+fn an_unfreeze_keeps_the_routes_of_events_counted_and_moves_the_rest_to_the_clock() {
+    let redis = RedisServer::start();
+    let prefix = unique("unfreeze");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let routes = routes(&rt, &redis.url(), &prefix);
+    let begin = || rt.block_on(routes.unfreeze_begin()).unwrap();
+    assert!(
+        matches!(begin(), UnfreezeBegin::NotFrozen { .. }),
+        "nothing to undo"
+    );
+    let fetch = || rt.block_on(routes.fetch()).unwrap();
+    let publish = |post: u64, buckets: u32| {
+        let latest = fetch().latest(post);
+        rt.block_on(routes.publish(post, buckets, latest, Trigger::Manual))
+            .unwrap()
+            .versions
+    };
+    publish(7, 16);
+    // Stamped in 2099: routing is final up to it, by one script.
+    let frozen = rt.block_on(routes.finalize(0, 10, YEAR_2099_MS)).unwrap();
+    assert!(frozen.frozen());
+    let counted = frozen.route_of(0, 10, 7, YEAR_2099_MS);
+    assert_eq!((counted.version, counted.buckets), (1, 16));
+    // Published while frozen: they take effect after 2099.
+    let v2 = *publish(7, 64).last().unwrap();
+    assert!(v2.effective_ms > YEAR_2099_MS);
+    rt.block_on(routes.rebucket(8)).unwrap();
+
+    let UnfreezeBegin::Begun {
+        started_ms,
+        undone_ms,
+        bound_ms,
+    } = begin()
+    else {
+        panic!("routing is frozen")
+    };
+    assert_eq!(undone_ms, YEAR_2099_MS + GRACE_MS);
+    assert!(bound_ms <= wall_ms() + GRACE_MS + 1_000);
+    // While under way, publications still take effect after the time undone.
+    let v1_of_8 = *publish(8, 32).last().unwrap();
+    assert!(v1_of_8.effective_ms > undone_ms);
+    assert!(fetch().frozen(), "still frozen until it finishes");
+    let finish = rt
+        .block_on(routes.unfreeze_finish(started_ms, Duration::ZERO, &[(0, 10), (1, 4)]))
+        .unwrap();
+    let UnfreezeFinish::Done {
+        moved, final_ms, ..
+    } = finish
+    else {
+        panic!("{finish:?}")
+    };
+    assert_eq!(moved, 3, "post 7's v2, post 8's v1 and epoch 1");
+    assert!(final_ms < wall_ms() + FROZEN_AHEAD_MS);
+
+    let table = fetch();
+    assert!(!table.frozen());
+    assert_eq!(table.unfreezes().len(), 1);
+    // The counted event keeps its route; a later one goes to the version published while frozen,
+    // which now takes effect within seconds, as do the others.
+    assert_eq!(table.route_of(0, 10, 7, YEAR_2099_MS), counted);
+    let newest = table.route_of(0, 11, 7, YEAR_2099_MS);
+    assert_eq!((newest.version, newest.buckets), (2, 64));
+    assert!(newest.effective_ms < wall_ms() + 2 * GRACE_MS);
+    assert_eq!(table.latest(8).buckets, 32);
+    assert!(table.latest(8).effective_ms < wall_ms() + 2 * GRACE_MS);
+    assert_eq!(table.defaults().latest().buckets, 8);
+    assert!(table.defaults().latest().effective_ms < wall_ms() + 2 * GRACE_MS);
+    // A replay of the counted event (from a table that lacks the record) raises nothing.
+    let replayed = rt.block_on(routes.finalize(0, 10, YEAR_2099_MS)).unwrap();
+    assert!(!replayed.frozen());
+    assert_eq!(replayed.route_of(0, 10, 7, YEAR_2099_MS), counted);
+
+    // A new event stamped ahead while an unfreeze waits: it refuses and restores the time.
+    let again = rt.block_on(routes.finalize(1, 5, YEAR_2099_MS)).unwrap();
+    assert!(again.frozen(), "a new event in 2099 freezes routing again");
+    let UnfreezeBegin::Begun { started_ms, .. } = begin() else {
+        panic!("frozen again")
+    };
+    rt.block_on(routes.finalize(2, 5, YEAR_2099_MS + 1))
+        .unwrap();
+    let finish = rt
+        .block_on(routes.unfreeze_finish(started_ms, Duration::ZERO, &[]))
+        .unwrap();
+    assert!(
+        matches!(finish, UnfreezeFinish::StillAhead { .. }),
+        "{finish:?}"
+    );
+    let table = fetch();
+    assert!(table.frozen() && table.final_ms() >= YEAR_2099_MS + GRACE_MS);
+    assert_eq!(table.unfreezes().len(), 1, "nothing recorded");
+    // Given up between the steps: routing stays frozen as before.
+    let UnfreezeBegin::Begun {
+        started_ms,
+        undone_ms,
+        ..
+    } = begin()
+    else {
+        panic!("still frozen")
+    };
+    assert!(rt.block_on(routes.unfreeze_abort(started_ms)).unwrap());
+    assert_eq!(fetch().final_ms(), undone_ms);
 }

@@ -72,6 +72,13 @@
 //! publication can miss that one like for the length of one read; counts
 //! are never wrong, and the next read has it.
 //!
+//! A table may route by its `final` time for [`FINAL_TRUST`] after the read
+//! was sent, not longer; later, an event stamped past its read goes through
+//! the registry again. That bound is what lets `tally unfreeze-routing`
+//! bring `final` back to the clock (see [`crate::ops::unfreeze`] for the
+//! argument): the events counted under the frozen routing keep their routes
+//! by the rule of [`unfreeze`], which [`RouteTable::route_of`] applies.
+//!
 //! # Demotion
 //!
 //! A demotion is a version with fewer buckets; the old version's keys stay
@@ -141,8 +148,12 @@ use rustc_hash::FxHashMap;
 use crate::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, bucket_of, epoch_version};
 
 mod registry;
+pub mod unfreeze;
 
-pub use registry::{PublishError, Published, Rebucketed, RouteWatch, Routes, Trigger};
+pub use registry::{
+    PublishError, Published, Rebucketed, RouteWatch, Routes, Trigger, UnfreezeBegin, UnfreezeFinish,
+};
+use unfreeze::{Unfreezes, Unfreezing};
 
 /// A new version routes events stamped this long after its publication.
 pub const GRACE_MS: i64 = 5_000;
@@ -157,6 +168,17 @@ pub const DEFAULT_FIELD: &str = "default";
 pub const FINAL_FIELD: &str = "final";
 /// The registry field holding the highest clock it has answered with.
 pub const CLOCK_FIELD: &str = "clock";
+/// The registry field of an unfreeze under way (see [`unfreeze`]).
+pub const UNFREEZING_FIELD: &str = "unfreezing";
+/// The registry field recording every finished unfreeze (see [`unfreeze`]).
+pub const UNFROZEN_FIELD: &str = "unfrozen";
+/// How long after its read was sent a table may route events stamped past
+/// the read by the registry's `final` time.
+pub const FINAL_TRUST: Duration = Duration::from_secs(5);
+/// Routing final further ahead of the registry clock than this is frozen:
+/// `tally promote`, `demote` and `rebucket` refuse, and the alert
+/// `TallyRoutingFrozen` fires.
+pub const FROZEN_AHEAD_MS: i64 = 600_000;
 
 /// One routing version of a post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,6 +323,12 @@ pub struct RouteTable {
     /// Routing is final for events stamped up to this time (the registry's
     /// `final` field; see the module doc).
     final_ms: i64,
+    /// Until when `final_ms` may route (the read's sending plus [`FINAL_TRUST`]).
+    final_trusted_until: Instant,
+    /// Every finished unfreeze, oldest first.
+    unfreezes: Unfreezes,
+    /// An unfreeze under way.
+    unfreezing: Option<Unfreezing>,
 }
 
 impl RouteTable {
@@ -319,6 +347,9 @@ impl RouteTable {
             fetched_ms,
             fetched_at: Instant::now(),
             final_ms: 0,
+            final_trusted_until: Instant::now() + FINAL_TRUST,
+            unfreezes: Box::default(),
+            unfreezing: None,
         }
     }
 
@@ -327,9 +358,122 @@ impl RouteTable {
         Self { final_ms, ..self }
     }
 
+    /// The same table, read by a call sent at `sent`: its final time routes
+    /// until [`FINAL_TRUST`] after that.
+    pub fn sent_at(self, sent: Instant) -> Self {
+        Self {
+            final_trusted_until: sent + FINAL_TRUST,
+            ..self
+        }
+    }
+
+    /// The same table with the registry's unfreezes: finished, and under way.
+    pub fn with_unfreezes(self, unfreezes: Unfreezes, unfreezing: Option<Unfreezing>) -> Self {
+        Self {
+            unfreezes,
+            unfreezing,
+            ..self
+        }
+    }
+
     /// Up to when routing is final (0: never raised).
     pub fn final_ms(&self) -> i64 {
         self.final_ms
+    }
+
+    /// The time after which a version published now would take effect, at
+    /// the earliest: the final time, or the one an unfreeze under way undoes.
+    pub fn frozen_until_ms(&self) -> i64 {
+        self.unfreezing
+            .map_or(self.final_ms, |u| u.undone_ms.max(self.final_ms))
+    }
+
+    /// Whether routing is frozen: a version published now would take effect
+    /// more than [`FROZEN_AHEAD_MS`] from now.
+    pub fn frozen(&self) -> bool {
+        self.frozen_until_ms() - self.now_ms() > FROZEN_AHEAD_MS
+    }
+
+    /// Finished unfreezes, oldest first.
+    pub fn unfreezes(&self) -> &[unfreeze::Unfreeze] {
+        &self.unfreezes
+    }
+
+    /// The event at `offset` of `partition` stamped `timestamp_ms` goes to
+    /// this version of `post_id`: by the unfreeze record that fixes its
+    /// route, if one does (see [`unfreeze`]), otherwise as [`Self::route`].
+    pub fn route_of(
+        &self,
+        partition: i32,
+        offset: i64,
+        post_id: u64,
+        timestamp_ms: i64,
+    ) -> Version {
+        match self
+            .unfreezes
+            .iter()
+            .find(|u| u.covers(partition, offset, timestamp_ms))
+        {
+            Some(u) => self.route_as_unfrozen(u, post_id, timestamp_ms),
+            None => self.route(post_id, timestamp_ms),
+        }
+    }
+
+    /// The route by the registry as it stood when `u` was written: what took
+    /// effect at or before its bound has not changed since, and what took
+    /// effect after it then is listed in `u` with its time of then.
+    fn route_as_unfrozen(
+        &self,
+        u: &unfreeze::Unfreeze,
+        post_id: u64,
+        timestamp_ms: i64,
+    ) -> Version {
+        let then = |now: &[Version], moved: &[Version]| {
+            now.iter()
+                .filter(|v| v.effective_ms <= u.bound_ms)
+                .chain(moved)
+                .filter(|v| v.effective_ms <= timestamp_ms)
+                .max_by_key(|v| v.effective_ms)
+                .copied()
+        };
+        let own = self.posts.get(&post_id).map_or(&[][..], |v| &v[..]);
+        let moved = u.posts.get(&post_id).map_or(&[][..], Vec::as_slice);
+        then(own, moved)
+            .filter(|v| v.version > 0)
+            .or_else(|| then(self.defaults.epochs(), &u.defaults))
+            .unwrap_or(self.defaults.epochs()[0])
+    }
+
+    /// The counter a like of `post_id` by `user_id` at `offset` of
+    /// `partition`, stamped `timestamp_ms`, lands in.
+    pub fn counter_of(
+        &self,
+        partition: i32,
+        offset: i64,
+        post_id: u64,
+        user_id: u64,
+        timestamp_ms: i64,
+    ) -> CounterId {
+        let v = self.route_of(partition, offset, post_id, timestamp_ms);
+        CounterId {
+            post_id,
+            version: v.version,
+            bucket: bucket_of(user_id, v.buckets),
+        }
+    }
+
+    /// Whether the event at `offset` of `partition` stamped `timestamp_ms`
+    /// can be routed with this table: always when an unfreeze record fixes
+    /// its route, otherwise as [`Self::readiness`] says.
+    pub fn readiness_of(&self, partition: i32, offset: i64, timestamp_ms: i64) -> Readiness {
+        if self
+            .unfreezes
+            .iter()
+            .any(|u| u.covers(partition, offset, timestamp_ms))
+        {
+            return Readiness::Ready;
+        }
+        self.readiness(timestamp_ms)
     }
 
     /// The version an event of `post_id` stamped `timestamp_ms` goes to: the
@@ -381,7 +525,10 @@ impl RouteTable {
     /// Whether an event stamped `timestamp_ms` can be routed with this table.
     pub fn readiness(&self, timestamp_ms: i64) -> Readiness {
         // The common case, an event stamped before the read, costs no clock call.
-        if timestamp_ms < self.fetched_ms + AHEAD_MS || timestamp_ms <= self.final_ms {
+        if timestamp_ms < self.fetched_ms + AHEAD_MS {
+            return Readiness::Ready;
+        }
+        if timestamp_ms <= self.final_ms && Instant::now() < self.final_trusted_until {
             return Readiness::Ready;
         }
         if timestamp_ms >= self.fetched_ms + GRACE_MS {
@@ -478,6 +625,27 @@ pub fn wall_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// `ms` since the epoch as a UTC time, `2099-01-01T00:00:05Z`.
+pub fn utc_text(ms: i64) -> String {
+    let (days, secs) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000) / 1000);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -541,6 +709,27 @@ mod tests {
             finalized.readiness(100_000 + 86_400_001),
             Readiness::Refresh
         );
+    }
+
+    #[test]
+    fn a_final_time_routes_only_for_a_while_after_its_read() {
+        let day = 86_400_000;
+        let sent = Instant::now() - FINAL_TRUST - Duration::from_millis(10);
+        let stale = RouteTable::new(Defaults::fixed(16), 100_000, [])
+            .with_final(100_000 + day)
+            .sent_at(sent);
+        assert_eq!(stale.readiness(100_000 + day), Readiness::Refresh);
+        assert_eq!(stale.readiness(100_000), Readiness::Ready);
+        // Publications still take effect after it: that is the registry's, not the table's.
+        assert!(stale.frozen());
+    }
+
+    #[test]
+    fn times_print_as_utc() {
+        assert_eq!(utc_text(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc_text(4_083_955_205_000), "2099-06-01T00:00:05Z");
+        assert_eq!(utc_text(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc_text(-1_000), "1969-12-31T23:59:59Z");
     }
 
     #[test]

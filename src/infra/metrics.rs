@@ -8,9 +8,14 @@
 
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{
+    Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit, counter,
+    describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
 
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{
+    BuildError, Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 
 /// Good events aggregated.
 pub const EVENTS: &str = "tally_events_total";
@@ -116,6 +121,28 @@ pub const ROUTED_POSTS: &str = "tally_routed_posts";
 pub const FUTURE_EVENTS: &str = "tally_future_events_total";
 /// How far ahead of the registry clock routing is final (seconds; 0 when not).
 pub const ROUTING_FINAL_AHEAD: &str = "tally_routing_final_ahead_seconds";
+/// Unfreezes (`tally unfreeze-routing`) in this consumer's view of the registry.
+pub const ROUTING_UNFREEZES: &str = "tally_routing_unfreezes";
+
+/// Offsets a rebuild has recounted, by `partition`: from the partition's
+/// origin to the new generation's lowest fence.
+pub const REBUILD_RECOUNTED: &str = "tally_rebuild_recounted_offsets";
+/// Offsets a rebuild has still to recount, by `partition`: from the new
+/// generation's lowest fence to the partition's end now.
+pub const REBUILD_REMAINING: &str = "tally_rebuild_remaining_offsets";
+/// 1 for the phase a rebuild is in and 0 for the others, by `phase` (one of
+/// [`REBUILD_PHASES`]).
+pub const REBUILD_PHASE: &str = "tally_rebuild_phase";
+/// The `phase` labels of [`REBUILD_PHASE`]: `starting` (finding the
+/// generation, copying the routing registry, reading the origins),
+/// `recounting`, `cutover` (live writers frozen until the new generation
+/// holds what they applied) and `switched` (the pointer moved; the process
+/// exits).
+pub const REBUILD_PHASES: [&str; 4] = ["starting", "recounting", "cutover", "switched"];
+/// What `tally rebuild --metrics-addr` exports: its progress, and nothing of
+/// the pipeline that recounts, whose lag (days behind, by design) and event
+/// rates would read as a live consumer's on dashboards and alerts.
+pub const REBUILD_ONLY: [&str; 3] = [REBUILD_RECOUNTED, REBUILD_REMAINING, REBUILD_PHASE];
 
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,6 +326,26 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         Kind::Gauge,
         "How far ahead of the registry clock routing is final, in seconds: new routing versions take effect only after it.",
     ),
+    (
+        ROUTING_UNFREEZES,
+        Kind::Gauge,
+        "Unfreezes recorded in this consumer's view of the routing registry: times tally unfreeze-routing brought routing made final far ahead back to the clock.",
+    ),
+    (
+        REBUILD_RECOUNTED,
+        Kind::Gauge,
+        "tally rebuild: offsets recounted into the new generation, by partition (from its origin to the new generation's lowest fence).",
+    ),
+    (
+        REBUILD_REMAINING,
+        Kind::Gauge,
+        "tally rebuild: offsets left to recount, by partition (from the new generation's lowest fence to the partition's end now).",
+    ),
+    (
+        REBUILD_PHASE,
+        Kind::Gauge,
+        "tally rebuild: 1 for the phase it is in, by phase (starting, recounting, cutover, switched).",
+    ),
 ];
 
 /// Script outcomes, the values of [`SCRIPTS`]' `outcome` label.
@@ -358,6 +405,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     gauge!(ROUTED_POSTS).set(0.0);
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
+    gauge!(ROUTING_UNFREEZES).set(0.0);
     gauge!(READY).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
@@ -425,9 +473,28 @@ pub fn fence_ahead(partitions: usize) {
     gauge!(FENCE_AHEAD).set(partitions as f64);
 }
 
+/// Records the phase a rebuild is in (one of [`REBUILD_PHASES`]).
+pub fn rebuild_phase(phase: &'static str) {
+    for each in REBUILD_PHASES {
+        gauge!(REBUILD_PHASE, "phase" => each).set(if each == phase { 1.0 } else { 0.0 });
+    }
+}
+
+/// Records a rebuild's offsets recounted and left on one partition.
+pub fn rebuild_offsets(partition: i32, recounted: i64, remaining: i64) {
+    let partition = partition.to_string();
+    gauge!(REBUILD_RECOUNTED, "partition" => partition.clone()).set(recounted as f64);
+    gauge!(REBUILD_REMAINING, "partition" => partition).set(remaining as f64);
+}
+
 /// Records how far ahead of the registry clock routing is final.
 pub fn routing_final_ahead(ms: i64) {
     gauge!(ROUTING_FINAL_AHEAD).set(ms.max(0) as f64 / 1000.0);
+}
+
+/// Records how many unfreezes the registry holds.
+pub fn routing_unfreezes(records: usize) {
+    gauge!(ROUTING_UNFREEZES).set(records as f64);
 }
 
 /// Describes every metric and registers the read path's series at zero:
@@ -557,6 +624,23 @@ pub fn read_cache(hits: u64, misses: u64) {
 /// Installs the Prometheus recorder (histogram buckets chosen per metric)
 /// and returns the handle that renders `/metrics`.
 pub fn install() -> Result<PrometheusHandle, BuildError> {
+    builder()?.install_recorder()
+}
+
+/// Installs the Prometheus recorder for the metrics named in `names` only:
+/// whatever else the process records is dropped (`tally rebuild`, whose
+/// recounting pipeline records everything `tally run` does).
+pub fn install_only(names: &'static [&'static str]) -> Result<PrometheusHandle, BuildError> {
+    let inner = builder()?.build_recorder();
+    let handle = inner.handle();
+    metrics::set_global_recorder(Only { names, inner }).map_err(|refused| {
+        BuildError::FailedToSetGlobalRecorder(metrics::SetRecorderError(refused.0.inner))
+    })?;
+    Ok(handle)
+}
+
+/// The builder with each histogram's buckets.
+fn builder() -> Result<PrometheusBuilder, BuildError> {
     let mut builder = PrometheusBuilder::new();
     for (name, buckets) in [
         (
@@ -583,12 +667,101 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
     ] {
         builder = builder.set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)?;
     }
-    builder.install_recorder()
+    Ok(builder)
+}
+
+/// A recorder that passes on the metrics in `names` and drops the rest.
+struct Only {
+    names: &'static [&'static str],
+    inner: PrometheusRecorder,
+}
+
+impl Only {
+    fn keeps(&self, name: &str) -> bool {
+        self.names.contains(&name)
+    }
+}
+
+impl metrics::Recorder for Only {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        if self.keeps(key.as_str()) {
+            self.inner.describe_counter(key, unit, description);
+        }
+    }
+
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        if self.keeps(key.as_str()) {
+            self.inner.describe_gauge(key, unit, description);
+        }
+    }
+
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        if self.keeps(key.as_str()) {
+            self.inner.describe_histogram(key, unit, description);
+        }
+    }
+
+    fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
+        if self.keeps(key.name()) {
+            self.inner.register_counter(key, metadata)
+        } else {
+            Counter::noop()
+        }
+    }
+
+    fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> Gauge {
+        if self.keeps(key.name()) {
+            self.inner.register_gauge(key, metadata)
+        } else {
+            Gauge::noop()
+        }
+    }
+
+    fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
+        if self.keeps(key.name()) {
+            self.inner.register_histogram(key, metadata)
+        } else {
+            Histogram::noop()
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rebuild_recorder_passes_on_its_progress_only() {
+        let inner = builder().unwrap().build_recorder();
+        let handle = inner.handle();
+        let only = Only {
+            names: &REBUILD_ONLY,
+            inner,
+        };
+        metrics::with_local_recorder(&only, || {
+            describe(&[]);
+            batch_done(true, 10, 0, 3, Duration::from_millis(1));
+            consumer_lag(0, 5);
+            rebuild_phase("recounting");
+            rebuild_offsets(0, 7, 3);
+        });
+        let text = handle.render();
+        assert!(
+            text.contains("tally_rebuild_recounted_offsets{partition=\"0\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tally_rebuild_phase{phase=\"recounting\"} 1"),
+            "{text}"
+        );
+        for name in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.split(['{', ' ']).next())
+        {
+            assert!(REBUILD_ONLY.contains(&name), "{name} passed: {text}");
+        }
+    }
 
     #[test]
     fn names_follow_prometheus_conventions() {

@@ -7,12 +7,16 @@
 //! [`crate::domain::versions::Routes::rebucket`]. All are safe while `tally run`
 //! counts: writers switch for events stamped
 //! [`crate::domain::versions::GRACE_MS`] after the change, and readers sum the
-//! new keys from the moment it is made.
+//! new keys from the moment it is made. While routing is frozen (final more
+//! than [`crate::domain::versions::FROZEN_AHEAD_MS`] ahead) all three refuse,
+//! naming `tally unfreeze-routing`: a change would take effect only then.
 
 use crate::domain::generation;
 use crate::domain::layout;
 use crate::domain::routing::version_name;
-use crate::domain::versions::{Published, Rebucketed, Routes, Trigger, Version};
+use crate::domain::versions::{
+    Published, Rebucketed, RouteTable, Routes, Trigger, Version, utc_text,
+};
 use crate::infra::config::StoreSettings;
 use crate::infra::store::{ReplicaWait, Replicated};
 use crate::ops::OpError;
@@ -69,6 +73,7 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
     let routes = Routes::new(opened.store, keys, record.buckets).with_wait(change.wait);
     let table = routes.fetch().await?;
+    refuse_frozen(&table)?;
     let buckets = match (direction, change.to_buckets) {
         (_, Some(n)) => n,
         (Direction::Promote, None) => DEFAULT_PROMOTED_BUCKETS,
@@ -108,6 +113,19 @@ pub async fn change_route(settings: &StoreSettings, change: Change) -> Result<Ro
         effective_ms: newest.effective_ms,
         effective_in_ms: (newest.effective_ms - table.now_ms()).max(0),
     })
+}
+
+/// Refuses a change that would take effect only once routing made final
+/// far ahead is reached: it would change nothing for years, and an
+/// automatic promotion could not replace it.
+fn refuse_frozen(table: &RouteTable) -> Result<(), OpError> {
+    if !table.frozen() {
+        return Ok(());
+    }
+    Err(OpError::Refused(format!(
+        "routing is frozen until {} (an event stamped ahead made it final; alert TallyRoutingFrozen): a change now would take effect only then; fix the producer's clock, then run `tally unfreeze-routing`",
+        utc_text(table.frozen_until_ms())
+    )))
 }
 
 /// The default layout after `tally rebucket`.
@@ -151,7 +169,9 @@ pub async fn rebucket(
     layout::adopt_format(&opened.store, settings.prefix(), &record).await?;
     let keys = generation::current_layout(&opened.store, &opened.keys).await?;
     let routes = Routes::new(opened.store, keys, record.buckets).with_wait(wait);
-    let from_buckets = routes.fetch().await?.defaults().latest().buckets;
+    let table = routes.fetch().await?;
+    refuse_frozen(&table)?;
+    let from_buckets = table.defaults().latest().buckets;
     let Rebucketed {
         added,
         defaults,

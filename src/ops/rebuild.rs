@@ -72,8 +72,11 @@ use tracing::{info, warn};
 use crate::domain::generation::{self, Record};
 use crate::domain::layout::OpenStore;
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::{CLOCK_FIELD, DEFAULT_FIELD, FINAL_FIELD, wall_ms};
+use crate::domain::versions::{
+    CLOCK_FIELD, DEFAULT_FIELD, FINAL_FIELD, UNFREEZING_FIELD, UNFROZEN_FIELD, wall_ms,
+};
 use crate::infra::config::RunSettings;
+use crate::infra::metrics;
 use crate::infra::security::KafkaAcl;
 use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
@@ -105,6 +108,22 @@ pub struct Snapshot<'a> {
     pub rebuilt: &'a [i64],
     /// The (low, high) watermarks per partition now.
     pub marks: &'a [(i64, i64)],
+}
+
+impl Snapshot<'_> {
+    /// Per partition, the offsets recounted (from its origin to the lowest
+    /// fence) and those left (from there to the partition's end now). They
+    /// equal events on a topic without compaction or transactions.
+    pub fn offsets(&self) -> Vec<(i64, i64)> {
+        self.origins
+            .iter()
+            .zip(self.rebuilt)
+            .zip(self.marks)
+            .map(|((&origin, &fence), &(_, high))| {
+                ((fence + 1 - origin).max(0), (high - 1 - fence).max(0))
+            })
+            .collect()
+    }
 }
 
 /// A finished rebuild.
@@ -180,11 +199,20 @@ async fn copy_routing(
         })
         .await?;
     for (field, entry) in &registry {
-        // The default layout's epochs and the final time need no route
-        // hash: they live in the registry alone.
+        // The default layout's epochs, the final time and the unfreezes need
+        // no route hash: they live in the registry alone. The unfreezes
+        // route the replayed events as the live writers did.
         if let Ok(post) = field.parse::<u64>() {
             copy_route_hash(store, from.route_key(post), to.route_key(post)).await?;
-        } else if ![DEFAULT_FIELD, FINAL_FIELD, CLOCK_FIELD].contains(&field.as_str()) {
+        } else if ![
+            DEFAULT_FIELD,
+            FINAL_FIELD,
+            CLOCK_FIELD,
+            UNFROZEN_FIELD,
+            UNFREEZING_FIELD,
+        ]
+        .contains(&field.as_str())
+        {
             continue;
         }
         let registry = to.registry_key();
@@ -276,13 +304,15 @@ fn start_offsets(
 }
 
 /// Recounts the topic into a new generation, then switches readers and
-/// writers to it (see the module notes); `progress` sees every poll.
+/// writers to it (see the module notes); `progress` sees every poll, and
+/// each poll records the progress metrics (`tally_rebuild_*`).
 pub async fn rebuild(
     settings: RunSettings,
     options: RebuildOptions,
     shutdown: CancellationToken,
     progress: &mut dyn FnMut(Snapshot<'_>),
 ) -> Result<Rebuilt, OpError> {
+    metrics::rebuild_phase("starting");
     let (opened, applier, _) = open_applier(&settings).await?;
     let store = &opened.store;
     let prefix = settings.store.prefix();
@@ -432,7 +462,9 @@ async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<Record, Red
 }
 
 /// The settings of the pipeline that recounts: those of `tally run`,
-/// without hot-post detection, dead letters or metrics. Its group is new,
+/// without hot-post detection, dead letters or a metrics listener of its own
+/// (what `tally rebuild --metrics-addr` serves is the rebuild's progress
+/// only, [`crate::infra::metrics::REBUILD_ONLY`]). Its group is new,
 /// so it reads from the earliest offsets, as every group's first start does.
 fn rebuild_settings(settings: &RunSettings) -> RunSettings {
     let mut settings = settings.clone();
@@ -536,8 +568,15 @@ impl CutOver {
                 _ = tokio::time::sleep(pause) => {}
             }
             match self.poll(progress).await {
-                Ok(Step::Wait) => {}
-                Ok(Step::Switched) => break Ok(()),
+                Ok(Step::Wait) => metrics::rebuild_phase(if self.frozen_at.is_some() {
+                    "cutover"
+                } else {
+                    "recounting"
+                }),
+                Ok(Step::Switched) => {
+                    metrics::rebuild_phase("switched");
+                    break Ok(());
+                }
                 Err(error) => break Err(error),
             }
         };
@@ -556,11 +595,15 @@ impl CutOver {
         let rebuilt = lowest_fences(&self.new, self.partitions).await?;
         let live = highest_fences(&self.old, self.partitions).await?;
         let marks = watermarks(&self.client, &self.topic, self.partitions)?;
-        progress(Snapshot {
+        let snapshot = Snapshot {
             origins: &self.origins,
             rebuilt: &rebuilt,
             marks: &marks,
-        });
+        };
+        for (p, (recounted, left)) in snapshot.offsets().into_iter().enumerate() {
+            metrics::rebuild_offsets(p as i32, recounted, left);
+        }
+        progress(snapshot);
         let within = |margin: i64| caught_up(&rebuilt, &live, &self.goal, margin);
         self.stable_reads = if self.last_live.as_ref() == Some(&live) {
             self.stable_reads + 1

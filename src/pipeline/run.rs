@@ -641,9 +641,10 @@ impl Pipeline {
                         Ok(message) => {
                             let partition = message.partition();
                             let timestamp = message.timestamp().to_millis().unwrap_or(0);
-                            if self.table.readiness(timestamp) != Readiness::Ready {
+                            let offset = message.offset();
+                            if self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
                                 let cluster = self.applier.keys().groups().is_cluster();
-                                self.table = self.watch.route_for(timestamp, cluster).await;
+                                self.table = self.watch.route_for(partition, offset, timestamp, cluster).await;
                             }
                             let changes = self.consumer.context().take_changes();
                             let groups = self.applier.keys().groups().count() as usize;

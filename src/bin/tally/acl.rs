@@ -72,6 +72,13 @@ pub const RULES: &[Rule] = &[
         warns: &[],
     },
     Rule {
+        command: "unfreeze-routing",
+        needs: &[
+            "ping", "hget", "hmget", "hgetall", "hset", "hdel", "time", "evalsha", "eval",
+        ],
+        warns: &[],
+    },
+    Rule {
         command: "verify",
         needs: &["ping", "get", "hget", "hmget", "hgetall", "scan"],
         warns: &[],
@@ -134,6 +141,10 @@ const USES: &[(&str, &str)] = &[
     (
         "hset",
         "the layout record, routing versions, the generation and rebuild records",
+    ),
+    (
+        "hdel",
+        "the mark of an unfreeze under way in the routing registry, once it finishes",
     ),
     (
         "hsetnx",

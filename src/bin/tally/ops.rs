@@ -1,6 +1,6 @@
 //! The operations on stored counts: `tally rebuild`, `verify`, `gc`,
-//! `promote` and `demote`. Each runs the library's operation and prints
-//! what it returned.
+//! `promote`, `demote`, `rebucket`, `unfreeze-routing` and `reset-fences`.
+//! Each runs the library's operation and prints what it returned.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -121,6 +121,76 @@ pub struct ResetFencesCommand {
     run: RunArgs,
 }
 
+/// Settings of `tally unfreeze-routing`: those it shares with `tally run`.
+#[derive(Args)]
+#[command(after_help = UNFREEZE_HELP)]
+pub struct UnfreezeCommand {
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// What `tally unfreeze-routing` does, refuses and needs (its `--help`).
+const UNFREEZE_HELP: &str = "\
+On a Redis Cluster, an event stamped ahead of the clock makes routing final up to its time, so
+that replays route it as it was counted; routing versions published before then take effect
+only after it. One event stamped in 2099 holds `tally promote`, `demote` and `rebucket` (and
+hot-post promotion) until 2099 (alert TallyRoutingFrozen). Fixing the producer's clock does
+not undo that; this command does, while `tally run` counts:
+
+  1. lowers the final time to 5 s from now, marked as under way;
+  2. waits 7 s, until every writer has stopped routing by the old final time, then reads the
+     end offset of every partition of the topic;
+  3. records, per partition, the offsets up to there: the events among them stamped after the
+     new final time keep the routes they were counted by, in `tally run`, in replays and in
+     `tally rebuild`. Versions published while frozen take effect 5 s from now.
+
+It refuses, and changes nothing, when routing is not frozen (final no more than 600 s ahead),
+while a rebuild is under way, and when an event stamped more than 600 s ahead arrives during
+the wait: a producer's clock is still wrong; fix it first (or set the topic's
+message.timestamp.type=LogAppendTime). Give it the settings `tally run` uses (the brokers
+for the end offsets; the layout is checked as at a start). See docs/operations.md#tallyroutingfrozen.";
+
+/// `tally unfreeze-routing`.
+pub async fn unfreeze_routing(matches: &ArgMatches, _command: &UnfreezeCommand) -> Result<()> {
+    use tally::domain::versions::utc_text;
+    let settings = run_settings(matches)?;
+    let unfrozen = tally::ops::unfreeze::unfreeze(&settings, shutdown_on_signal(), &mut |begun| {
+        println!(
+            "routing is frozen until {}; unfreezing (waiting {} s for every writer)",
+            utc_text(begun.undone_ms),
+            begun.wait.as_secs()
+        );
+    })
+    .await?;
+    let cutoffs: Vec<String> = unfrozen
+        .cutoffs
+        .iter()
+        .map(|(p, o)| format!("{p}:{o}"))
+        .collect();
+    println!(
+        "generation {} ({}): routing is final up to {} (was {}); events stamped after {} at or below offsets {} keep their routes",
+        unfrozen.generation,
+        unfrozen.prefix,
+        utc_text(unfrozen.final_ms),
+        utc_text(unfrozen.undone_ms),
+        utc_text(unfrozen.bound_ms),
+        cutoffs.join(","),
+    );
+    println!(
+        "{} versions published while frozen take effect in {:.1} s; a version published now takes effect in {:.1} s",
+        unfrozen.moved,
+        tally::domain::versions::GRACE_MS as f64 / 1000.0,
+        unfrozen.versions_in_ms() as f64 / 1000.0
+    );
+    if unfrozen.replicated.short() {
+        eprintln!(
+            "warning: {} of {} Redis replicas acknowledged the unfreeze in time; a failover now may lose it",
+            unfrozen.replicated.acked, unfrozen.replicated.wanted
+        );
+    }
+    Ok(())
+}
+
 /// `tally reset-fences`.
 pub async fn reset_fences(matches: &ArgMatches, command: &ResetFencesCommand) -> Result<()> {
     use std::io::{BufRead, IsTerminal};
@@ -194,14 +264,17 @@ pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<(
         cutover_margin: command.cutover_margin,
     };
     let every = Duration::from_secs(command.progress_every_secs.max(1));
+    let shutdown = shutdown_on_signal();
+    if let Some(addr) = settings.metrics_addr {
+        serve_progress(addr, &settings, shutdown.clone()).await?;
+    }
     let mut progress: Option<Progress> = None;
-    let outcome =
-        tally::ops::rebuild::rebuild(settings, options, shutdown_on_signal(), &mut |at| {
-            progress
-                .get_or_insert_with(|| Progress::new(at.origins.to_vec(), every))
-                .update(at.origins, at.rebuilt, at.marks)
-        })
-        .await;
+    let outcome = tally::ops::rebuild::rebuild(settings, options, shutdown, &mut |at| {
+        progress
+            .get_or_insert_with(|| Progress::new(at.origins.to_vec(), every))
+            .update(at.origins, at.rebuilt, at.marks)
+    })
+    .await;
     if let Some(progress) = &progress {
         progress.finish();
     }
@@ -210,6 +283,33 @@ pub async fn rebuild(matches: &ArgMatches, command: &RebuildCommand) -> Result<(
         "generation {} ({}) is current; generation {} stays until `tally gc`",
         rebuilt.generation, rebuilt.prefix, rebuilt.previous
     );
+    Ok(())
+}
+
+/// Serves the rebuild's progress (`tally_rebuild_*`, and nothing of the pipeline that recounts)
+/// on `/metrics`, with `/healthz` and `/readyz` as `tally run` serves them. An address that
+/// cannot be listened on is a warning, not a refusal: a rebuild started inside a `tally run`
+/// pod inherits its TALLY_METRICS_ADDR, whose port that process holds.
+async fn serve_progress(
+    addr: std::net::SocketAddr,
+    settings: &tally::infra::config::RunSettings,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<()> {
+    let metrics = tally::infra::metrics::install_only(&tally::infra::metrics::REBUILD_ONLY)?;
+    match tally::infra::http::serve_probes(addr, metrics, shutdown.clone()).await {
+        Ok(_) => {
+            tally::infra::health::spawn_probes(
+                settings.store.url().target().clone(),
+                settings.kafka.client_config(),
+                settings.kafka.topic.clone(),
+                shutdown,
+            );
+        }
+        Err(error) => tracing::warn!(
+            %error,
+            "No /metrics for this rebuild (give another --metrics-addr); rebuilding without it."
+        ),
+    }
     Ok(())
 }
 

@@ -37,9 +37,6 @@ use tracing::info;
 use crate::settings::StoreArgs;
 use crate::settings::layers::ConfigArg;
 
-/// How long a count is served from the cache by default (milliseconds).
-pub const DEFAULT_CACHE_TTL_MS: u64 = 1_000;
-
 /// Settings of `tally serve`.
 #[derive(Clone, Args)]
 pub struct ServeArgs {
@@ -47,7 +44,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// How long a count is served from the cache (milliseconds; 0 turns the cache off).
-    #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = DEFAULT_CACHE_TTL_MS)]
+    #[arg(long, env = "TALLY_CACHE_TTL_MS", default_value_t = tally::read::DEFAULT_CACHE_TTL_MS)]
     pub cache_ttl_ms: u64,
     /// Post ids one /v1/likes request may ask for.
     #[arg(long, env = "TALLY_MAX_IDS", default_value_t = config::DEFAULT_SERVE_MAX_IDS)]

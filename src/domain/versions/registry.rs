@@ -1,22 +1,28 @@
 //! Registry: the Redis side of routing versions. Reading the registry
 //! (with its clock), publishing a post's versions and the default layout's
 //! epochs in the order the parent module proves safe, making routing final
-//! for an event stamped ahead, and the writers' background view of it all.
+//! for an event stamped ahead (and undoing that, in `steps`), and the
+//! writers' background view of it all.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::RedisError;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::unfreeze::{parse_unfreezing, parse_unfrozen};
 use super::{
-    CLOCK_FIELD, DEFAULT_FIELD, Defaults, FINAL_FIELD, GRACE_MS, Readiness, RouteTable, Version,
-    parse_entry, read_defaults,
+    CLOCK_FIELD, DEFAULT_FIELD, Defaults, FINAL_FIELD, GRACE_MS, Readiness, RouteTable,
+    UNFREEZING_FIELD, UNFROZEN_FIELD, Version, parse_entry, read_defaults,
 };
 use crate::domain::routing::{DEFAULT_EPOCHS, KeyLayout};
 use crate::infra::store::{Lua, ReplicaWait, Replicated, Shared};
+
+mod steps;
+
+pub use steps::{UnfreezeBegin, UnfreezeFinish};
 
 // Every script starts with the ACL check (acl_check.lua); those that read the
 // registry's clock then with its definition.
@@ -164,12 +170,23 @@ impl Routes {
     /// [`GRACE_MS`] beyond (no version published from now on takes effect at
     /// or before that), and
     /// reads the registry in the same step: the table returned routes such
-    /// an event for good.
-    pub async fn finalize(&self, timestamp_ms: i64) -> Result<RouteTable, RedisError> {
+    /// an event for good. The event is the one at `offset` of `partition`;
+    /// when an unfreeze record already fixes its route, nothing is raised.
+    pub async fn finalize(
+        &self,
+        partition: i32,
+        offset: i64,
+        timestamp_ms: i64,
+    ) -> Result<RouteTable, RedisError> {
         // With headroom: a producer whose clock runs a little fast then costs
         // one raise per GRACE_MS, not one per event.
         let table = self
-            .fetch_raising(Some(timestamp_ms.saturating_add(GRACE_MS)))
+            .fetch_raising(Some(Raise {
+                to_ms: timestamp_ms.saturating_add(GRACE_MS),
+                partition,
+                offset,
+                timestamp_ms,
+            }))
             .await?;
         let ahead_ms = table.final_ms - table.fetched_ms;
         if ahead_ms > FINAL_WARN_MS {
@@ -182,10 +199,19 @@ impl Routes {
         Ok(table)
     }
 
-    async fn fetch_raising(&self, raise_to: Option<i64>) -> Result<RouteTable, RedisError> {
+    async fn fetch_raising(&self, raise: Option<Raise>) -> Result<RouteTable, RedisError> {
         let registry = self.keys.registry_key();
-        let raise = raise_to.map(|ts| ts.to_string());
-        let args: Vec<&str> = raise.iter().map(String::as_str).collect();
+        let args: Vec<String> = raise
+            .map(|r| {
+                [r.to_ms, r.partition.into(), r.offset, r.timestamp_ms]
+                    .map(|n| n.to_string())
+                    .to_vec()
+            })
+            .unwrap_or_default();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        // The table's final time routes for a while after this instant,
+        // which precedes the registry's answer (see FINAL_TRUST).
+        let sent = Instant::now();
         let reply: Vec<redis::Value> = FETCH.call(&self.store, &[&registry], &args).await?;
         let mut items = reply.into_iter();
         let now: i64 = redis::from_redis_value(items.next().unwrap_or(redis::Value::Nil))?;
@@ -195,6 +221,7 @@ impl Routes {
         let mut posts = Vec::with_capacity(rest.len() / 2);
         let mut defaults = None;
         let mut final_ms = 0;
+        let (mut unfrozen, mut unfreezing) = (None, None);
         for pair in rest.chunks_exact(2) {
             if pair[0] == DEFAULT_FIELD {
                 defaults = Some(self.defaults_of(Some(&pair[1]))?);
@@ -202,6 +229,14 @@ impl Routes {
             }
             if pair[0] == FINAL_FIELD {
                 final_ms = pair[1].parse().unwrap_or(0);
+                continue;
+            }
+            if pair[0] == UNFROZEN_FIELD {
+                unfrozen = Some(pair[1].as_str());
+                continue;
+            }
+            if pair[0] == UNFREEZING_FIELD {
+                unfreezing = Some(pair[1].as_str());
                 continue;
             }
             if pair[0] == CLOCK_FIELD {
@@ -213,8 +248,15 @@ impl Routes {
             }
         }
         let defaults = defaults.unwrap_or_else(|| Defaults::fixed(self.epoch0));
-        crate::infra::metrics::routing_final_ahead(final_ms - now);
-        Ok(RouteTable::new(defaults, now, posts).with_final(final_ms))
+        let unfrozen = parse_unfrozen(&registry, unfrozen)?;
+        let unfreezing = parse_unfreezing(&registry, unfreezing)?;
+        crate::infra::metrics::routing_unfreezes(unfrozen.len());
+        let table = RouteTable::new(defaults, now, posts)
+            .with_final(final_ms)
+            .sent_at(sent)
+            .with_unfreezes(unfrozen, unfreezing);
+        crate::infra::metrics::routing_final_ahead(table.frozen_until_ms() - now);
+        Ok(table)
     }
 
     fn defaults_of(&self, entry: Option<&str>) -> Result<Defaults, RedisError> {
@@ -336,6 +378,15 @@ impl Routes {
     }
 }
 
+/// An event stamped ahead, and the time to make routing final to for it.
+#[derive(Debug, Clone, Copy)]
+struct Raise {
+    to_ms: i64,
+    partition: i32,
+    offset: i64,
+    timestamp_ms: i64,
+}
+
 /// Step (3) of a publication: marks the published `version` current in the
 /// route hash, with its `mode`; without one (not published) drops the
 /// reservation, which no writer ever used.
@@ -384,6 +435,7 @@ impl RouteWatch {
         shutdown: CancellationToken,
     ) -> Result<Self, RedisError> {
         let first = routes.fetch().await?;
+        let mut unfreezes = first.unfreezes().len();
         let (send, table) = watch::channel(Arc::new(first));
         let wake = Arc::new(Notify::new());
         let woken = wake.clone();
@@ -398,6 +450,17 @@ impl RouteWatch {
                 match routes.fetch().await {
                     Ok(table) => {
                         crate::infra::metrics::routed_posts(table.routed_posts());
+                        if let Some(newest) =
+                            table.unfreezes()[unfreezes.min(table.unfreezes().len())..].last()
+                        {
+                            info!(
+                                unfreezes = table.unfreezes().len(),
+                                bound_ms = newest.bound_ms,
+                                final_ms = table.final_ms(),
+                                "Routing was unfrozen: new routing versions take effect from the registry clock again; events counted under the frozen routing keep their routes."
+                            );
+                        }
+                        unfreezes = table.unfreezes().len();
                         if send.send(Arc::new(table)).is_err() {
                             return;
                         }
@@ -423,14 +486,21 @@ impl RouteWatch {
         self.wake.notify_one();
     }
 
-    /// The table to route an event stamped `timestamp_ms` with. An event
+    /// The table to route the event at `offset` of `partition` stamped
+    /// `timestamp_ms` with. An event
     /// stamped ahead of this table's reach is never waited for: on a
     /// cluster the registry is made final up to its time first (see the
     /// module doc); on a single server, where a batch applies all or nothing
     /// under one fence, it is routed with the newest table as it is.
-    pub async fn route_for(&mut self, timestamp_ms: i64, cluster: bool) -> Arc<RouteTable> {
+    pub async fn route_for(
+        &mut self,
+        partition: i32,
+        offset: i64,
+        timestamp_ms: i64,
+        cluster: bool,
+    ) -> Arc<RouteTable> {
         let table = self.current();
-        if table.readiness(timestamp_ms) == Readiness::Ready {
+        if table.readiness_of(partition, offset, timestamp_ms) == Readiness::Ready {
             return table;
         }
         crate::infra::metrics::future_event();
@@ -438,7 +508,7 @@ impl RouteWatch {
             return table;
         }
         loop {
-            match self.routes.finalize(timestamp_ms).await {
+            match self.routes.finalize(partition, offset, timestamp_ms).await {
                 Ok(table) => return Arc::new(table),
                 Err(error) => {
                     warn!(timestamp_ms, %error, "Making routing final for an event stamped ahead failed; retrying.");

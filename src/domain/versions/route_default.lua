@@ -31,8 +31,13 @@ if tonumber(last_buckets) == tonumber(ARGV[3]) then
   return {0, now_ms, entry}
 end
 local effective = now_ms + tonumber(ARGV[4])
--- Never at or before a time routing was made final for (route_fetch.lua).
+-- Never at or before a time routing was made final for (route_fetch.lua), nor,
+-- while an unfreeze is under way, the time it undoes (route_unfreeze.lua).
 local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
+local undone = tonumber(string.match(redis.call('HGET', KEYS[1], 'unfreezing') or '', '^(%-?%d+):') or '0')
+if undone > final then
+  final = undone
+end
 if effective <= final then
   effective = final + 1
 end

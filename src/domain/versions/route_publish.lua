@@ -44,8 +44,13 @@ if ARGV[6] == '1' and last_buckets >= buckets then
 end
 
 local effective = registry_now(KEYS[1]) + tonumber(ARGV[4])
--- Never at or before a time routing was made final for (route_fetch.lua).
+-- Never at or before a time routing was made final for (route_fetch.lua), nor,
+-- while an unfreeze is under way, the time it undoes (route_unfreeze.lua).
 local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
+local undone = tonumber(string.match(redis.call('HGET', KEYS[1], 'unfreezing') or '', '^(%-?%d+):') or '0')
+if undone > final then
+  final = undone
+end
 if effective <= final then
   effective = final + 1
 end

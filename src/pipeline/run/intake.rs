@@ -267,7 +267,7 @@ pub(super) fn accept(
                 state.buffered(timestamp);
                 return Intake::Taken;
             }
-            let id = routes.counter(like.post_id, like.user_id, timestamp);
+            let id = routes.counter_of(partition, offset, like.post_id, like.user_id, timestamp);
             let already_in = state.known.as_ref().is_some_and(|(_, t)| {
                 offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
             });

@@ -1,7 +1,7 @@
 package dev.tally.producer;
 
+import com.example.tally.v1.LikeEvent;
 import org.apache.kafka.common.serialization.Serializer;
-import tally.v1.LikeEventOuterClass.LikeEvent;
 
 /** Writes a {@code LikeEvent} as a Kafka message value: plain protobuf, or framed. */
 public final class LikeEventSerializer implements Serializer<LikeEvent> {

@@ -1,5 +1,7 @@
 package dev.tally.producer;
 
+import com.example.tally.v1.Action;
+import com.example.tally.v1.LikeEvent;
 import java.time.Duration;
 import java.util.Map;
 import java.util.Properties;
@@ -12,8 +14,6 @@ import org.apache.kafka.clients.producer.RecordMetadata;
 import org.apache.kafka.common.Metric;
 import org.apache.kafka.common.MetricName;
 import org.apache.kafka.common.serialization.LongSerializer;
-import tally.v1.LikeEventOuterClass.Action;
-import tally.v1.LikeEventOuterClass.LikeEvent;
 
 /**
  * Publishes likes and unlikes to tally's topic as docs/contract.md asks of producers.

@@ -1,5 +1,6 @@
 package dev.tally.producer;
 
+import com.example.tally.v1.Action;
 import java.io.IOException;
 import java.io.PrintWriter;
 import java.nio.charset.StandardCharsets;
@@ -15,7 +16,6 @@ import org.apache.kafka.common.KafkaException;
 import org.apache.kafka.common.Metric;
 import org.apache.kafka.common.MetricName;
 import org.apache.kafka.common.utils.AppInfoParser;
-import tally.v1.LikeEventOuterClass.Action;
 
 /**
  * Produces the likes and unlikes of a file with {@link LikeProducer}.
