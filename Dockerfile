@@ -3,6 +3,11 @@
 #   docker build -t tally .
 #   docker run --rm tally run --help
 #
+# The image ships the service's binary, `tally`, alone. The lab's traffic generator
+# (`tally-lab produce`, which docker-compose.yml runs) has an image of its own, the `lab` target:
+#
+#   docker build --target lab -t tally-lab .
+#
 # A release image carries the version and the commit it was built from, in its labels and in
 # `tally --version`. The version is Cargo.toml's: VERSION below repeats it (tests/deploy_assets.rs
 # fails when they differ, and the build fails when the binary says otherwise). The commit is
@@ -18,9 +23,9 @@
 # (bookworm: the binary links the builder's OpenSSL 3 and glibc); bump them together. For
 # reproducible builds, pin by digest in the registry you pull from.
 #
-# No HEALTHCHECK: the one image runs `tally run`, `tally serve`, `tally produce` and the admin
-# commands, and only `tally run` serves /healthz and /readyz (on --metrics-addr); a check in the
-# image would mark every other container unhealthy. Whatever runs `tally run` probes it:
+# No HEALTHCHECK: the one image runs `tally run`, `tally serve` and the admin commands, and only
+# `tally run` serves /healthz and /readyz (on --metrics-addr); a check in the image would mark
+# every other container unhealthy. Whatever runs `tally run` probes it:
 # docker-compose.yml asks /readyz, deploy/k8s/deployment.yaml has liveness on /healthz and
 # readiness on /readyz.
 
@@ -31,16 +36,18 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Dependencies first, against placeholder sources: this layer is rebuilt only when the
-# manifest, the lock file, build.rs or the proto change.
+# manifests, the lock file, build.rs or the proto change. The lab is a member of the workspace,
+# so its manifest is needed to read the workspace, and its placeholder sources to load it.
 COPY Cargo.toml Cargo.lock build.rs ./
+COPY lab/Cargo.toml lab/Cargo.toml
 COPY proto proto
-RUN mkdir -p src/bin/tally benches \
-    && touch src/lib.rs \
+RUN mkdir -p src/bin/tally lab/src lab/benches \
+    && touch src/lib.rs lab/src/lib.rs \
     && echo 'fn main() {}' > src/bin/tally/main.rs \
-    && echo 'fn main() {}' > benches/pipeline.rs \
-    && cargo build --profile dist --locked --bin tally \
-    && rm -rf src benches
-COPY benches benches
+    && echo 'fn main() {}' > lab/src/main.rs \
+    && echo 'fn main() {}' > lab/benches/pipeline.rs \
+    && cargo build --profile dist --locked -p tally --bin tally \
+    && rm -rf src
 COPY src src
 # Declared here, not above, so that a new revision leaves the dependency layer cached.
 ARG VERSION=0.1.0
@@ -50,7 +57,7 @@ ARG REVISION=unknown
 # build without debug info: the release profile keeps line tables for the benchmarks'
 # profiles, which an image has no use for. The binary must report the VERSION the labels carry.
 RUN touch src/lib.rs src/bin/tally/main.rs \
-    && TALLY_GIT_REVISION="$REVISION" cargo build --profile dist --locked --bin tally \
+    && TALLY_GIT_REVISION="$REVISION" cargo build --profile dist --locked -p tally --bin tally \
     && cp target/dist/tally /usr/local/bin/tally \
     && reported="$(/usr/local/bin/tally --version)" \
     && if [ "$reported" != "tally $VERSION ($REVISION)" ]; then \
@@ -58,6 +65,28 @@ RUN touch src/lib.rs src/bin/tally/main.rs \
          exit 1; \
        fi
 
+# The lab's binary, for the `lab` image below: built from the same layers, the service's sources
+# included (the lab links the tally library), plus its own.
+FROM build AS lab-build
+COPY lab lab
+COPY scripts/kafka/pom.xml scripts/kafka/pom.xml
+RUN touch lab/src/lib.rs lab/src/main.rs \
+    && cargo build --profile dist --locked -p tally-lab --bin tally-lab \
+    && cp target/dist/tally-lab /usr/local/bin/tally-lab
+
+# The traffic generator of docker-compose.yml: `tally-lab produce`. Not a release image: the
+# service's image, the last stage, is.
+FROM debian:12.12-slim AS lab
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates libssl3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --no-create-home tally
+COPY --from=lab-build /usr/local/bin/tally-lab /usr/local/bin/tally-lab
+USER 10001
+ENTRYPOINT ["tally-lab"]
+CMD ["produce"]
+
+# The service's image, the default target.
 FROM debian:12.12-slim
 ARG VERSION=0.1.0
 ARG REVISION=unknown

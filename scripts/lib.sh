@@ -80,7 +80,7 @@ EOF
     say "installed $("$home/valkey-server" --version) in $home"
 }
 
-# Installs Debian's wrk, the HTTP load generator `tally bench-reads` measures `tally serve` with.
+# Installs Debian's wrk, the HTTP load generator `tally-lab bench-reads` measures `tally serve` with.
 ensure_wrk() {
     if command -v wrk >/dev/null 2>&1; then
         return
@@ -256,6 +256,36 @@ ensure_java_producer() {
     local started=$SECONDS
     mvn -q -B -f "$dir/pom.xml" package
     say "built $jar in $((SECONDS - started)) s"
+}
+
+# Builds the Kafka Streams peer, scripts/streams-peer (the consumer the benchmarks compare tally
+# with), into ~/.cache/tally/streams-peer-<Kafka version>-<hash of its POM and sources>/lib: its
+# jar and every runtime dependency. Does nothing when that directory is there. Sets
+# STREAMS_PEER_HOME to it; run the peer with
+#   java -cp "$STREAMS_PEER_HOME/lib/*" tally.peer.LikeCounts --bootstrap ... (README.md there)
+# Maven fetches kafka-streams and RocksDB from Maven Central the first time. Needs a JDK 17 and
+# Maven, which it does not install.
+ensure_streams_peer() {
+    local dir hash
+    dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/streams-peer"
+    hash=$(cd "$dir" && find pom.xml src -type f | LC_ALL=C sort | xargs sha256sum | sha256sum |
+        cut -c 1-12)
+    STREAMS_PEER_HOME="$HOME/.cache/tally/streams-peer-$(kafka_version)-$hash"
+    if [ -f "$STREAMS_PEER_HOME/lib/streams-peer.jar" ]; then
+        return
+    fi
+    if ! command -v javac >/dev/null 2>&1 || ! command -v mvn >/dev/null 2>&1; then
+        say "the Kafka Streams peer needs a JDK 17 (javac) and Maven (mvn): install them" \
+            "(apt-get install -y openjdk-17-jdk-headless maven), then run again"
+        return 1
+    fi
+    say "building the Kafka Streams peer: mvn -q -B -f scripts/streams-peer/pom.xml package into $STREAMS_PEER_HOME"
+    local started=$SECONDS
+    rm -rf "$STREAMS_PEER_HOME.partial"
+    mvn -q -B -f "$dir/pom.xml" package -Dpeer.build="$STREAMS_PEER_HOME.partial"
+    rm -rf "$STREAMS_PEER_HOME"
+    mv "$STREAMS_PEER_HOME.partial" "$STREAMS_PEER_HOME"
+    say "built the Kafka Streams peer: $(find "$STREAMS_PEER_HOME/lib" -name '*.jar' | wc -l) jars in $((SECONDS - started)) s"
 }
 
 # Sets up the Python producer example, examples/python-producer (tests/e2e_producers.rs runs it):

@@ -27,7 +27,8 @@
 //!   routing     the stable hash, buckets and the Redis key layout
 //!   slots       Redis Cluster hash slots and slot groups
 //!   versions    routing versions of posts and epochs of the default layout;
-//!               registry: their Redis side (route_*.lua, registry_clock.lua)
+//!               registry: their Redis side (route_*.lua, registry_clock.lua);
+//!               unfreeze: the record that keeps routes when routing is unfrozen
 //!   generation  which key prefix is live: pointer, freeze flag, rebuild record
 //!   layout      a prefix's keys on the store the settings name, opened once;
 //!               adopt: what the keys of data without a record show
@@ -49,8 +50,8 @@
 //!   gc          remove old generations after a grace period
 //!   promote     routing changes by hand
 //!   reset       fences of a replaced log, counted again from its start
+//!   unfreeze    routing made final far ahead brought back, every route kept
 //! read        the read path: the cached, coalescing Reader
-//! generate    synthetic like traffic, for tests, benchmarks and the demo
 //! ```
 //!
 //! Layers only import downwards: `infra` imports nothing above it, `domain`
@@ -58,7 +59,6 @@
 //! three.
 
 pub mod domain;
-pub mod generate;
 pub mod infra;
 pub mod ops;
 pub mod pipeline;

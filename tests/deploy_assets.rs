@@ -3,16 +3,22 @@
 //! (`tally::infra::metrics::ALL`), the Prometheus rule files and the PrometheusRule
 //! carry the same alerts, each with a `for:`, a runbook link and promtool unit
 //! tests that fire and that stay quiet (run here with promtool), the dashboard
-//! filters by namespace, job and instance, the rules keep namespaces and jobs
+//! filters by namespace, job and instance and its read and rebuild rows show
+//! what `tally serve` and `tally rebuild` export, the rules keep namespaces and jobs
 //! apart and name no job, every runbook_url is absolute from one base, the
 //! shipped settings file is valid, `kubectl kustomize` renders the base alone
-//! and with each combination of the optional components (KEDA, the Prometheus
-//! Operator), in one namespace, with what KEDA and Kubernetes need (no
+//! and with each combination of the optional components (Strimzi, KEDA, the
+//! Prometheus Operator), in one namespace (Strimzi's resources in the Kafka
+//! cluster's), with what KEDA and Kubernetes need (no
 //! replicas, hashed ConfigMaps, the Kafka cluster, topic and group written
-//! once, required secrets, the read path, the replay tools, the SASL
-//! component), KEDA never scales past the partition count, and `docker
+//! once, required secrets, the read path, the replay tools and a running
+//! rebuild's scrape, the SASL
+//! component; the Strimzi component's topics, its principal's ACLs on the
+//! base's names and the Secrets Strimzi writes mounted where tally's settings
+//! point), KEDA never scales past the partition count, and `docker
 //! compose config` accepts `docker-compose.yml` (with and without the cluster
-//! profile). The release has one version, Cargo.toml's: the Dockerfile's
+//! profile, whose Redis nodes keep their data on volumes and whose tally
+//! replicas wait for the cluster). The release has one version, Cargo.toml's: the Dockerfile's
 //! labels and the kustomization's image tag repeat it, the image is the
 //! stripped `dist` build with the OCI labels, and `tally --version` prints it
 //! with the git revision; `--log-format json` writes lines a log shipper parses.
@@ -38,12 +44,14 @@ const RULE_FILES: [&str; 2] = [
 const PROMETHEUS_RULE: &str = "deploy/components/prometheus-operator/prometheusrule.yaml";
 
 /// The optional kustomize components, each needing CRDs a bare cluster lacks, with the kinds
-/// it adds.
-const COMPONENTS: [(&str, &[&str]); 2] = [
+/// it adds. Strimzi's comes first, as its comment asks: KEDA's trigger copies the brokers it
+/// rewrites.
+const COMPONENTS: [(&str, &[&str]); 3] = [
+    ("deploy/components/strimzi", &["KafkaTopic", "KafkaUser"]),
     ("deploy/components/keda", &["ScaledObject"]),
     (
         "deploy/components/prometheus-operator",
-        &["ServiceMonitor", "PrometheusRule"],
+        &["ServiceMonitor", "PodMonitor", "PrometheusRule"],
     ),
 ];
 
@@ -296,6 +304,100 @@ fn the_dashboard_shows_dead_letters_progress_and_rebalances_apart() {
         assert!(
             names.iter().all(|n| n == "tally_rebalances_total"),
             "panel {title:?} mixes rebalances with {names:?}: they get a panel of their own"
+        );
+    }
+}
+
+/// The dashboard's rows: each row's title with the expressions of the panels under it.
+fn dashboard_rows() -> Vec<(String, Vec<String>)> {
+    let dashboard = json(&repo().join("deploy/grafana/dashboards/tally.json"));
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        if panel["type"].as_str() == Some("row") {
+            rows.push((panel["title"].as_str().unwrap().to_string(), Vec::new()));
+        } else if let Some((_, exprs)) = rows.last_mut() {
+            json_exprs(panel, exprs);
+        }
+    }
+    rows
+}
+
+/// The read path's row shows requests/s, p99 latency, the cache's hit ratio and the fetches
+/// to Redis, from metrics `tally serve` exports; the rebuild's row shows what `tally rebuild`
+/// exports; the variables list every service's targets.
+#[test]
+fn the_dashboard_rows_show_what_serve_and_rebuild_export() {
+    use tally::infra::metrics::{
+        READ_CACHE_HITS, READ_CACHE_MISSES, READ_FETCHES, REBUILD_ONLY, SERVE_ONLY,
+    };
+    // SERVE_ONLY and what describe_reads registers.
+    let serve: Vec<&str> = SERVE_ONLY
+        .into_iter()
+        .chain([READ_CACHE_HITS, READ_CACHE_MISSES, READ_FETCHES])
+        .collect();
+    let base = |name: &str| {
+        ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(name)
+            .to_string()
+    };
+    let rows = dashboard_rows();
+    let row = |service: &str| {
+        rows.iter()
+            .find(|(title, _)| title.contains(service))
+            .map(|(_, exprs)| exprs.clone())
+            .unwrap_or_else(|| panic!("no row for {service}: {rows:?}"))
+    };
+    let reads = row("tally serve");
+    for expr in &reads {
+        for name in metric_names(expr) {
+            assert!(
+                serve.contains(&base(&name).as_str()),
+                "the serve row shows {name}, which tally serve does not export"
+            );
+        }
+    }
+    let shows = |exprs: &[String], what: &str, found: &dyn Fn(&str) -> bool| {
+        assert!(
+            exprs.iter().any(|e| found(e)),
+            "the row lacks {what}: {exprs:?}"
+        );
+    };
+    shows(&reads, "requests/s", &|e| {
+        e.contains("rate(tally_read_requests_total{")
+    });
+    shows(&reads, "p99 latency", &|e| {
+        e.starts_with("histogram_quantile(0.99") && e.contains("tally_read_request_seconds_bucket")
+    });
+    shows(&reads, "the cache hit ratio", &|e| {
+        e.contains(READ_CACHE_HITS) && e.contains(READ_CACHE_MISSES) && e.contains(" / ")
+    });
+    shows(&reads, "fetches to Redis", &|e| e.contains(READ_FETCHES));
+    let rebuild = row("tally rebuild");
+    let shown: Vec<String> = rebuild.iter().flat_map(|e| metric_names(e)).collect();
+    for name in REBUILD_ONLY {
+        assert!(
+            shown.iter().any(|n| n == name),
+            "the rebuild row lacks {name}"
+        );
+    }
+    assert!(
+        shown.iter().all(|n| REBUILD_ONLY.contains(&n.as_str())),
+        "{shown:?}"
+    );
+
+    // `tally serve` exports no consumer's series: the variables must list its targets too.
+    let dashboard = json(&repo().join("deploy/grafana/dashboards/tally.json"));
+    for variable in dashboard["templating"]["list"].as_array().unwrap() {
+        let Some(query) = variable["query"]["query"].as_str() else {
+            continue;
+        };
+        let names = metric_names(query);
+        assert!(
+            names.iter().all(|n| n == READ_FETCHES),
+            "${}'s values come from {names:?}, not from {READ_FETCHES}, which tally run and tally serve both export",
+            variable["name"]
         );
     }
 }
@@ -734,19 +836,312 @@ fn kustomize_renders_the_base_and_every_component_combination() {
             "{paths:?} changes the base's objects"
         );
         let namespace = one_of_kind(&docs, "Namespace")["metadata"]["name"].clone();
+        // Strimzi's operators watch the Kafka cluster's namespace, not tally's.
+        let kafka_namespace = Yaml::String(strimzi_setting("namespace"));
         for doc in &docs {
             if doc["kind"].as_str() != Some("Namespace") {
+                let expected = if is_strimzi(doc) {
+                    &kafka_namespace
+                } else {
+                    &namespace
+                };
                 assert_eq!(
-                    doc["metadata"]["namespace"], namespace,
-                    "{:?} {:?} is not in the example's namespace",
+                    &doc["metadata"]["namespace"], expected,
+                    "{:?} {:?} is not in its namespace",
                     doc["kind"], doc["metadata"]["name"]
                 );
             }
-            assert!(
-                doc["metadata"]["name"].as_str() != Some("tally-runbooks"),
-                "tally-runbooks is local-config: it is read, not applied"
+            for local in ["tally-runbooks", "tally-strimzi"] {
+                assert!(
+                    doc["metadata"]["name"].as_str() != Some(local),
+                    "{local} is local-config: it is read, not applied"
+                );
+            }
+        }
+        if paths.contains(&"deploy/components/keda") {
+            let kafka = generated(&docs, "tally-kafka");
+            let trigger = &one_of_kind(&docs, "ScaledObject")["spec"]["triggers"][0]["metadata"];
+            assert_eq!(
+                trigger["bootstrapServers"], kafka["data"]["brokers"],
+                "KEDA watches the brokers the pods consume from ({paths:?})"
             );
         }
+    }
+}
+
+/// Whether a rendered object is one of Strimzi's custom resources.
+fn is_strimzi(doc: &Yaml) -> bool {
+    doc["apiVersion"]
+        .as_str()
+        .is_some_and(|v| v.starts_with("kafka.strimzi.io/"))
+}
+
+/// A literal of the base's tally-strimzi (the cluster components/strimzi fits tally to).
+fn strimzi_setting(key: &str) -> String {
+    let kustomization = &yaml(&repo().join("deploy/kustomization.yaml"))[0];
+    kustomization["configMapGenerator"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"].as_str() == Some("tally-strimzi"))
+        .expect("a tally-strimzi generator in deploy/kustomization.yaml")["literals"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find_map(|l| l.as_str()?.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("tally-strimzi has no {key}"))
+        .to_string()
+}
+
+/// The Strimzi component: the like and dead-letter topics as the contract wants them, a principal
+/// allowed exactly what tally does on the base's topic, group and dead-letter topic, and the pods
+/// that read Kafka mounting the Secrets Strimzi writes, under the key names Strimzi gives them,
+/// where tally's settings (which `tally config print` accepts) point. The cluster's name and
+/// namespace, set once in an overlay, reach everything that names them.
+#[test]
+fn kustomize_renders_the_strimzi_component() {
+    let component = ["deploy/components/strimzi"];
+    let default = render(&component, "");
+    check_strimzi(
+        &default,
+        &strimzi_setting("cluster"),
+        &strimzi_setting("namespace"),
+    );
+    let moved = render(
+        &component,
+        "configMapGenerator:\n  - name: tally-strimzi\n    behavior: merge\n    literals: [cluster=prod, namespace=kafka-prod]\n",
+    );
+    check_strimzi(&moved, "prod", "kafka-prod");
+}
+
+fn check_strimzi(docs: &[Yaml], cluster: &str, namespace: &str) {
+    let kafka = generated(docs, "tally-kafka");
+    let data = |key: &str| kafka["data"][key].as_str().unwrap().to_string();
+    assert_eq!(
+        data("brokers"),
+        format!("{cluster}-kafka-bootstrap.{namespace}.svc:9093"),
+        "the brokers are the cluster's TLS bootstrap"
+    );
+    let toml = read(&repo().join("deploy/k8s/tally.toml"));
+    let dead_letter = toml
+        .lines()
+        .find_map(|l| l.strip_prefix("dead-letter-topic = "))
+        .expect("tally.toml's dead-letter-topic")
+        .trim_matches('"')
+        .to_string();
+    for doc in docs.iter().filter(|d| is_strimzi(d)) {
+        assert_eq!(doc["apiVersion"].as_str(), Some("kafka.strimzi.io/v1beta2"));
+        assert_eq!(
+            doc["metadata"]["labels"]["strimzi.io/cluster"].as_str(),
+            Some(cluster),
+            "{:?}'s strimzi.io/cluster label",
+            doc["metadata"]["name"]
+        );
+        assert_eq!(doc["metadata"]["namespace"].as_str(), Some(namespace));
+    }
+
+    // The topics: deleted by time, never compacted; the like topic kept for rebuilds.
+    let topics = of_kind(docs, "KafkaTopic");
+    let topic = |name: &str| {
+        *topics
+            .iter()
+            .find(|t| t["spec"]["topicName"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no KafkaTopic for {name}"))
+    };
+    let likes = topic(&data("topic"));
+    for t in [likes, topic(&dead_letter)] {
+        assert_eq!(
+            t["spec"]["config"]["cleanup.policy"].as_str(),
+            Some("delete"),
+            "never compact (docs/contract.md)"
+        );
+        assert!(t["spec"]["replicas"].as_i64().unwrap() >= 3);
+        assert_eq!(t["spec"]["config"]["min.insync.replicas"].as_i64(), Some(2));
+    }
+    assert_eq!(
+        likes["spec"]["config"]["retention.ms"].as_i64(),
+        Some(-1),
+        "the like topic keeps every event, for rebuilds (docs/contract.md)"
+    );
+    let scaled = &yaml(&repo().join("deploy/components/keda/scaledobject.yaml"))[0];
+    assert_eq!(
+        likes["spec"]["partitions"].as_i64(),
+        scaled["spec"]["maxReplicaCount"].as_i64(),
+        "KEDA scales up to the partition count"
+    );
+
+    // The principal: SCRAM-SHA-512, and exactly tally's ACLs on the base's names.
+    let user = one_of_kind(docs, "KafkaUser");
+    let user_name = user["metadata"]["name"].as_str().unwrap();
+    assert_eq!(
+        user["spec"]["authentication"]["type"].as_str(),
+        Some("scram-sha-512")
+    );
+    assert_eq!(
+        user["spec"]["authorization"]["type"].as_str(),
+        Some("simple")
+    );
+    let acls = user["spec"]["authorization"]["acls"]
+        .as_vec()
+        .expect("acls");
+    let allows = |kind: &str, name: &str, operation: &str| {
+        acls.iter().any(|acl| {
+            let resource = &acl["resource"];
+            let named = match resource["patternType"].as_str() {
+                Some("prefix") => name.starts_with(resource["name"].as_str().unwrap()),
+                _ => resource["name"].as_str() == Some(name),
+            };
+            resource["type"].as_str() == Some(kind)
+                && named
+                && acl["operations"]
+                    .as_vec()
+                    .unwrap()
+                    .iter()
+                    .any(|o| o.as_str() == Some(operation))
+        })
+    };
+    let group = data("group");
+    for (kind, name, operation) in [
+        ("topic", data("topic"), "Read"),
+        ("group", group.clone(), "Read"),
+        ("group", format!("{group}-rebuild-g1-1700000000000"), "Read"),
+        ("group", format!("{group}-verify"), "Read"),
+        ("topic", dead_letter.clone(), "Write"),
+    ] {
+        assert!(
+            allows(kind, &name, operation),
+            "no {operation} on {kind} {name}"
+        );
+    }
+    for acl in acls {
+        assert!(acl["type"].as_str().is_none_or(|t| t == "allow"), "{acl:?}");
+        assert_ne!(acl["resource"]["type"].as_str(), Some("cluster"), "{acl:?}");
+        for operation in acl["operations"].as_vec().unwrap() {
+            assert!(
+                ["Read", "Write", "Describe"].contains(&operation.as_str().unwrap()),
+                "tally needs no {operation:?} (docs/security.md#kafka-acls)"
+            );
+        }
+    }
+    assert!(
+        !allows("topic", &data("topic"), "Write") && !allows("topic", &dead_letter, "Read"),
+        "tally writes only the dead-letter topic and reads only the like topic"
+    );
+
+    // Every pod that reads Kafka logs in with the Secrets Strimzi writes.
+    let settings = read(&repo().join("docs/settings.md"));
+    let deployment = of_kind(docs, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("tally"))
+        .expect("the tally Deployment");
+    let mut pods = vec![("tally", &deployment["spec"]["template"]["spec"])];
+    for job in of_kind(docs, "CronJob") {
+        let name = job["metadata"]["name"].as_str().unwrap();
+        if name != "tally-gc" {
+            pods.push((
+                name,
+                &job["spec"]["jobTemplate"]["spec"]["template"]["spec"],
+            ));
+        }
+    }
+    assert_eq!(pods.len(), 3, "tally, tally-rebuild and tally-verify");
+    for (name, pod) in pods {
+        let tally = &pod["containers"][0];
+        let value = |var: &str| {
+            tally["env"]
+                .as_vec()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"].as_str() == Some(var))
+                .and_then(|v| v["value"].as_str())
+                .unwrap_or_else(|| panic!("{name}: no {var}"))
+                .to_string()
+        };
+        assert_eq!(value("TALLY_KAFKA_SECURITY_PROTOCOL"), "sasl_ssl", "{name}");
+        assert_eq!(
+            value("TALLY_KAFKA_SASL_MECHANISM"),
+            "SCRAM-SHA-512",
+            "{name}"
+        );
+        assert_eq!(value("TALLY_KAFKA_SASL_USERNAME"), user_name, "{name}");
+        // The file a variable names comes from this Secret's key, through a volume.
+        let mounted = |var: &str, secret: &str, key: &str| {
+            let path = value(var);
+            let volume = pod["volumes"]
+                .as_vec()
+                .unwrap()
+                .iter()
+                .find(|v| v["secret"]["secretName"].as_str() == Some(secret))
+                .unwrap_or_else(|| panic!("{name}: no volume of the Secret {secret}"));
+            assert_ne!(
+                volume["secret"]["optional"].as_bool(),
+                Some(true),
+                "{name}: {secret} is required"
+            );
+            let item = volume["secret"]["items"]
+                .as_vec()
+                .unwrap()
+                .iter()
+                .find(|i| i["key"].as_str() == Some(key))
+                .unwrap_or_else(|| panic!("{name}: {secret}'s key {key} is not mounted"));
+            let mount = tally["volumeMounts"]
+                .as_vec()
+                .unwrap()
+                .iter()
+                .find(|m| m["name"] == volume["name"])
+                .unwrap_or_else(|| panic!("{name}: {secret}'s volume is not mounted"));
+            assert_eq!(
+                path,
+                format!(
+                    "{}/{}",
+                    mount["mountPath"].as_str().unwrap(),
+                    item["path"].as_str().unwrap()
+                ),
+                "{name}: {var}"
+            );
+            path
+        };
+        let ca = mounted(
+            "TALLY_KAFKA_SSL_CA_LOCATION",
+            &format!("{cluster}-cluster-ca-cert"),
+            "ca.crt",
+        );
+        let password = mounted("TALLY_KAFKA_SASL_PASSWORD_FILE", user_name, "password");
+
+        // tally takes these settings: the variables exist, and with the files in place
+        // `tally config print` finds no problem.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("password"), "from-strimzi").unwrap();
+        std::fs::write(dir.path().join("ca.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let mut print = Command::new(env!("CARGO_BIN_EXE_tally"));
+        for (var, _) in std::env::vars().filter(|(k, _)| k.starts_with("TALLY_")) {
+            print.env_remove(var);
+        }
+        for var in tally["env"].as_vec().unwrap() {
+            let (Some(var), Some(mut value)) = (var["name"].as_str(), var["value"].as_str()) else {
+                continue;
+            };
+            assert!(
+                var == "TALLY_CONFIG" || settings.contains(&format!("`{var}`")),
+                "{name}: {var} is no setting of docs/settings.md"
+            );
+            let local_password = dir.path().join("password");
+            let local_ca = dir.path().join("ca.crt");
+            if value == password {
+                value = local_password.to_str().unwrap();
+            } else if value == ca {
+                value = local_ca.to_str().unwrap();
+            } else if var == "TALLY_CONFIG" {
+                continue;
+            }
+            print.env(var, value);
+        }
+        let out = print.args(["config", "print"]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stderr.is_empty(),
+            "{name}'s Kafka settings: {stderr}"
+        );
     }
 }
 
@@ -842,7 +1237,40 @@ fn kustomize_renders_the_read_path_and_the_replay_tools() {
             "the ServiceMonitors carry the `release` label kube-prometheus-stack selects by"
         );
     }
+    // A running rebuild serves its progress, and a PodMonitor scrapes it.
     let cronjobs = of_kind(&docs, "CronJob");
+    let rebuild = cronjobs
+        .iter()
+        .find(|j| j["metadata"]["name"].as_str() == Some("tally-rebuild"))
+        .expect("no CronJob tally-rebuild");
+    let pod = &rebuild["spec"]["jobTemplate"]["spec"]["template"];
+    let monitor = one_of_kind(&docs, "PodMonitor");
+    assert!(monitor["metadata"]["labels"]["release"].as_str().is_some());
+    assert_eq!(
+        monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
+        pod["metadata"]["labels"]["app.kubernetes.io/name"],
+        "the PodMonitor selects the rebuild's pods"
+    );
+    let port_name = &monitor["spec"]["podMetricsEndpoints"][0]["port"];
+    let tally = &pod["spec"]["containers"][0];
+    let port = tally["ports"]
+        .as_vec()
+        .expect("the rebuild's ports")
+        .iter()
+        .find(|p| &p["name"] == port_name)
+        .expect("the port the PodMonitor scrapes");
+    let addr = tally["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"].as_str() == Some("TALLY_METRICS_ADDR"))
+        .and_then(|v| v["value"].as_str())
+        .expect("the rebuild's TALLY_METRICS_ADDR");
+    assert_eq!(
+        addr,
+        format!("0.0.0.0:{}", port["containerPort"].as_i64().unwrap()),
+        "the rebuild listens beyond loopback, on the port scraped"
+    );
     for (command, suspended) in [("rebuild", true), ("verify", true), ("gc", false)] {
         let job = cronjobs
             .iter()
@@ -1207,6 +1635,85 @@ fn compose_keeps_kafka_and_redis_on_volumes() {
     );
 }
 
+/// The named volume `service` mounts at `dir`, if any.
+fn named_volume_at(config: &Yaml, service: &Yaml, dir: &str) -> Option<String> {
+    let volumes = config["volumes"].as_hash()?;
+    service["volumes"].as_vec()?.iter().find_map(|m| {
+        // docker-compose 1 prints `source:target:mode`, compose 2 a map.
+        let (source, target) = match m.as_str() {
+            Some(short) => {
+                let mut parts = short.split(':');
+                (parts.next(), parts.next())
+            }
+            None => (m["source"].as_str(), m["target"].as_str()),
+        };
+        let source = source.filter(|s| volumes.contains_key(&Yaml::String(s.to_string())))?;
+        (target == Some(dir)).then(|| source.to_string())
+    })
+}
+
+/// The cluster profile keeps each node's data (AOF and nodes.conf, in /data) on a volume of its
+/// own, and its tally replicas start once the cluster is formed.
+#[test]
+fn compose_cluster_keeps_its_data_and_tally_waits_for_it() {
+    let config = compose_resolved(&["--profile", "cluster"]);
+    let services = config["services"].as_hash().expect("services");
+    let mut volumes = std::collections::BTreeSet::new();
+    let mut nodes = 0;
+    for (name, service) in services {
+        let name = name.as_str().unwrap();
+        if !name.starts_with("redis-node-") {
+            continue;
+        }
+        nodes += 1;
+        let volume = named_volume_at(&config, service, "/data")
+            .unwrap_or_else(|| panic!("{name}'s /data is not on a named volume"));
+        assert!(volumes.insert(volume.clone()), "{name} shares {volume}");
+        let command = format!("{:?}", service["command"]);
+        assert!(
+            command.contains("--appendonly yes") && command.contains("--cluster-enabled yes"),
+            "{name} runs without AOF: {command}"
+        );
+    }
+    assert_eq!(nodes, 6, "the cluster's nodes");
+    let init = "redis-cluster-init";
+    assert_eq!(
+        services[&Yaml::String(init.into())]["restart"].as_str(),
+        Some("no")
+    );
+    let mut waiting = Vec::new();
+    for (name, service) in services {
+        let name = name.as_str().unwrap();
+        let profiles = format!("{:?}", service["profiles"]);
+        let runs_tally = service["image"].as_str() == Some("tally:local")
+            && service["command"][0].as_str() == Some("run");
+        if runs_tally && profiles.contains("cluster") {
+            assert_eq!(
+                service["depends_on"][init]["condition"].as_str(),
+                Some("service_completed_successfully"),
+                "{name} starts before the cluster is formed"
+            );
+            assert!(
+                service["environment"]["TALLY_REDIS"]
+                    .as_str()
+                    .is_some_and(|url| url.starts_with("redis+cluster://")),
+                "{name} counts into the cluster"
+            );
+            waiting.push(name);
+        }
+    }
+    assert!(
+        waiting.len() >= 2,
+        "the cluster profile's tally replicas: {waiting:?}"
+    );
+    let groups: std::collections::BTreeSet<&str> = services
+        .values()
+        .filter(|s| s["command"][0].as_str() == Some("run"))
+        .filter_map(|s| s["environment"]["TALLY_GROUP"].as_str())
+        .collect();
+    assert_eq!(groups.len(), 2, "one group per store: {groups:?}");
+}
+
 #[test]
 fn the_dockerfile_caches_dependencies_and_pins_its_bases() {
     let text = read(&repo().join("Dockerfile"));
@@ -1214,13 +1721,22 @@ fn the_dockerfile_caches_dependencies_and_pins_its_bases() {
         !text.contains("--mount=type=cache"),
         "the dependency cache must work without BuildKit cache mounts"
     );
-    let froms: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("FROM "))
-        .map(|l| l.split_whitespace().next().unwrap())
-        .collect();
-    assert_eq!(froms.len(), 2, "{froms:?}");
-    for image in froms {
+    // `FROM <image or an earlier stage> [AS <stage>]`: the images are the bases.
+    let mut stages: Vec<&str> = Vec::new();
+    let mut images: Vec<&str> = Vec::new();
+    for from in text.lines().filter_map(|l| l.strip_prefix("FROM ")) {
+        let words: Vec<&str> = from.split_whitespace().collect();
+        if !stages.contains(&words[0]) {
+            images.push(words[0]);
+        }
+        if let [_, as_, stage] = words[..]
+            && as_.eq_ignore_ascii_case("as")
+        {
+            stages.push(stage);
+        }
+    }
+    assert!(images.len() >= 2, "{images:?}");
+    for image in images {
         let tag = image.split_once(':').map(|(_, t)| t).unwrap_or("latest");
         let version: Vec<&str> = tag.split(['-', '.']).collect();
         assert!(
@@ -1239,6 +1755,28 @@ fn the_dockerfile_caches_dependencies_and_pins_its_bases() {
     assert!(
         text.contains("\nHEALTHCHECK ") || text.contains("# No HEALTHCHECK:"),
         "a HEALTHCHECK, or the reason there is none"
+    );
+}
+
+/// The default target, the last stage, is the service's image: it ships `tally` and nothing
+/// of the lab, whose traffic generator has a target of its own.
+#[test]
+fn the_image_ships_the_service_alone() {
+    let text = read(&repo().join("Dockerfile"));
+    let last = &text[text.rfind("\nFROM ").expect("a FROM")..];
+    let copies: Vec<&str> = last.lines().filter(|l| l.starts_with("COPY ")).collect();
+    assert_eq!(
+        copies,
+        ["COPY --from=build /usr/local/bin/tally /usr/local/bin/tally"],
+        "the service's image copies more than tally"
+    );
+    assert!(
+        !last.contains("tally-lab"),
+        "the service's image carries the lab"
+    );
+    assert!(
+        text.contains(" AS lab\n"),
+        "no `lab` target for the traffic generator"
     );
 }
 

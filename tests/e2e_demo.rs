@@ -1,5 +1,5 @@
-//! `tally demo` stopped the way a person stops it: Ctrl-C in a terminal, which sends SIGINT to
-//! the whole foreground process group. The demo's private broker and redis-server must survive
+//! `tally-lab demo` stopped the way a person stops it: Ctrl-C in a terminal, which sends SIGINT
+//! to the whole foreground process group. The demo's private broker and redis-server must survive
 //! that signal, so that the demo can let the aggregator catch up, check every count against the
 //! generator's own and exit 0.
 
@@ -7,16 +7,33 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+/// The lab's binary, `tally-lab`, beside the `tally` cargo built for these tests: it belongs to
+/// another package of the workspace, whose binaries cargo builds for its own tests only
+/// (scripts/test builds it before the tests run).
+fn lab_bin() -> PathBuf {
+    let tally = Path::new(env!("CARGO_BIN_EXE_tally"));
+    let lab = tally.with_file_name("tally-lab");
+    let release = tally.parent().is_some_and(|dir| dir.ends_with("release"));
+    assert!(
+        lab.is_file(),
+        "{} is missing: build it first with `cargo build -p tally-lab{}`",
+        lab.display(),
+        if release { " --release" } else { "" }
+    );
+    lab
+}
+
 #[test]
 fn ctrl_c_stops_the_demo_after_its_final_check() {
     common::require_kafka();
     // The demo in a process group of its own, as a shell puts a foreground job.
-    let mut demo = Command::new(common::tally_bin());
+    let mut demo = Command::new(lab_bin());
     demo.args([
         "demo",
         "--rate",
@@ -33,7 +50,7 @@ fn ctrl_c_stops_the_demo_after_its_final_check() {
     for (name, _) in std::env::vars().filter(|(k, _)| k.starts_with("TALLY_")) {
         demo.env_remove(name);
     }
-    let mut child = demo.spawn().expect("start tally demo");
+    let mut child = demo.spawn().expect("start tally-lab demo");
     let group = child.id();
     let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
     let (lines_tx, lines) = mpsc::channel();

@@ -262,8 +262,11 @@ mod tests {
     /// limit that bounds the script's time in Redis.
     #[test]
     fn a_full_batch_of_zipf_traffic_closes_on_its_counters() {
+        use rand::rngs::SmallRng;
+        use rand::{Rng as _, SeedableRng as _};
+        use rand_distr::{Distribution as _, Zipf};
+
         use crate::domain::routing::bucket_of;
-        use crate::generate::{Traffic, TrafficShape};
         use crate::infra::config::{
             DEFAULT_BATCH_MAX_EVENTS, DEFAULT_BATCH_MAX_KEYS, DEFAULT_BUCKETS,
         };
@@ -271,18 +274,24 @@ mod tests {
             max_events: DEFAULT_BATCH_MAX_EVENTS,
             max_keys: DEFAULT_BATCH_MAX_KEYS,
         };
-        let shape = TrafficShape {
-            posts: 1_000_000,
-            viral_share: 0.0,
-            ..TrafficShape::default()
-        };
-        let mut traffic = Traffic::new(shape, 7);
+        // Traffic of the benchmark's shape (tally-lab's generator): Zipf s = 1.1 over
+        // 1,000,000 posts, 10,000,000 users, and a tenth of the events undoing the like
+        // before, which adds no counter.
+        let posts = Zipf::new(1_000_000.0, 1.1).unwrap();
+        let mut rng = SmallRng::seed_from_u64(7);
         let mut batch = Batch::new();
-        let mut offset = 0;
+        let (mut offset, mut last) = (0, (1, 1));
         while !batch.is_full(&limits) {
-            let event = traffic.next_event();
-            let id = id(event.post_id, bucket_of(event.user_id, DEFAULT_BUCKETS));
-            batch.add(0, offset, id, event.delta());
+            let (post, user, delta) = if rng.random_bool(0.1) {
+                (last.0, last.1, -1)
+            } else {
+                last = (
+                    posts.sample(&mut rng) as u64,
+                    rng.random_range(1..=10_000_000),
+                );
+                (last.0, last.1, 1)
+            };
+            batch.add(0, offset, id(post, bucket_of(user, DEFAULT_BUCKETS)), delta);
             offset += 1;
         }
         let (messages, counters) = (offset as u64, batch.deltas.len());

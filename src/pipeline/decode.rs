@@ -262,12 +262,23 @@ fn validate(event: LikeEvent) -> Result<Like, BadReason> {
 
 /// Encodes a like event; used by the traffic generator and tests.
 pub fn encode(post_id: u64, user_id: u64, action: Action, event_time_ms: i64) -> Vec<u8> {
+    encode_with_id(post_id, user_id, action, event_time_ms, "")
+}
+
+/// As [`encode`], with the producer's `event_id` (empty: none).
+pub fn encode_with_id(
+    post_id: u64,
+    user_id: u64,
+    action: Action,
+    event_time_ms: i64,
+    event_id: &str,
+) -> Vec<u8> {
     LikeEvent {
         post_id,
         user_id,
         action: action as i32,
         event_time_ms,
-        event_id: String::new(),
+        event_id: event_id.to_string(),
     }
     .encode_to_vec()
 }

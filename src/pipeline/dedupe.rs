@@ -214,7 +214,7 @@ impl Window {
     }
 
     /// Bytes the window holds on the heap, as allocated (capacity, not
-    /// length): what a remembered event costs, measured by `tally bench`.
+    /// length): what a remembered event costs, measured by `tally-lab bench`.
     pub fn heap_bytes(&self) -> usize {
         // hashbrown: one control byte per bucket besides the entry.
         let map = |cap: usize, entry: usize| cap * (entry + 1);

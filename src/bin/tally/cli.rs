@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::{inspect, ops, reads, run, serve, settings, tools};
+use crate::{inspect, ops, plan, reads, run, serve, settings};
 
 /// The release, from Cargo.toml, and the git revision it was built from
 /// (build.rs; "unknown" outside a git checkout).
@@ -42,19 +42,6 @@ pub enum Command {
     /// Show the settings `tally run` would use.
     #[command(subcommand)]
     Config(run::ConfigCommand),
-    /// Start a private broker, redis-server and traffic generator, and count live.
-    Demo(tools::demo::DemoConfig),
-    /// Produce synthetic like traffic into a topic, and the exact count every post should reach.
-    Produce(Box<tools::produce::ProduceConfig>),
-    /// Measure tally against a raw and a naive consumer on the same events, on private services.
-    Bench(Box<tools::bench::BenchConfig>),
-    /// Measure `tally serve` with wrk against direct MGETs of the same keys, on a private redis-server.
-    BenchReads(Box<tools::bench_reads::BenchReadsConfig>),
-    /// Measure what one counter write costs Redis: in apply.lua, in a transaction, pipelined.
-    BenchWrites(Box<tools::bench_writes::BenchWritesConfig>),
-    /// One baseline consumer of `tally bench`, run as its child process.
-    #[command(hide = true)]
-    BenchBaseline(Box<tools::bench::BaselineArgs>),
     /// Print tables the documentation publishes.
     #[command(subcommand)]
     Docs(run::Docs),
@@ -71,8 +58,10 @@ pub enum Command {
     Demote(ops::RouteArgs),
     /// Change the default bucket count for new events of every post (safe while tally runs).
     Rebucket(ops::RebucketArgs),
+    /// Undo routing frozen by an event stamped far ahead, so routing changes take effect again (safe while tally runs).
+    UnfreezeRouting(Box<ops::UnfreezeCommand>),
     /// Size buckets, Redis primaries, Kafka partitions and consumers for a peak.
-    Plan(Box<tools::plan::PlanArgs>),
+    Plan(Box<plan::PlanArgs>),
     /// Recount the topic into a new key generation and switch to it when caught up.
     Rebuild(Box<ops::RebuildCommand>),
     /// Recount the topic in memory and compare with the stored counts; exits 1 on drift, 3 when retention deleted part of it.
@@ -85,8 +74,7 @@ pub enum Command {
 
 impl Command {
     /// The log filter unless TALLY_LOG says otherwise: services log what
-    /// they do, one-shot commands only what needs attention (the demo draws
-    /// a table on stdout).
+    /// they do, one-shot commands only what needs attention.
     pub fn log_filter(&self) -> &'static str {
         match self {
             Command::Run(_) | Command::Serve(_) | Command::Rebuild(_) => "info,rdkafka=warn",

@@ -15,12 +15,12 @@ mod errors;
 mod inspect;
 mod logs;
 mod ops;
+mod plan;
 mod progress;
 mod reads;
 mod run;
 mod serve;
 mod settings;
-mod tools;
 
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
@@ -70,12 +70,6 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
             run::print_config(sub.subcommand_matches("print").expect("print has settings"))
         }
         Command::Docs(docs) => run::docs(docs),
-        Command::Demo(config) => tools::demo::demo(config).await,
-        Command::Produce(config) => tools::produce::produce(*config).await,
-        Command::Bench(config) => tools::bench::bench(*config).await,
-        Command::BenchReads(config) => tools::bench_reads::bench_reads(*config).await,
-        Command::BenchWrites(config) => tools::bench_writes::bench_writes(*config).await,
-        Command::BenchBaseline(args) => tools::bench::baseline(*args).await,
         Command::Inspect(inspect) => inspect::inspect(inspect, sub).await,
         Command::Count(args) => reads::count(&args, sub).await,
         Command::Serve(args) => serve::serve(args, sub).await,
@@ -86,8 +80,9 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
             ops::route(&args, tally::ops::promote::Direction::Demote, sub).await
         }
         Command::Rebucket(args) => ops::rebucket(&args, sub).await,
+        Command::UnfreezeRouting(command) => ops::unfreeze_routing(sub, &command).await,
         Command::Plan(args) => {
-            print!("{}", tools::plan::report(&args)?);
+            print!("{}", plan::report(&args)?);
             Ok(())
         }
         Command::Rebuild(command) => ops::rebuild(sub, &command).await,

@@ -1,4 +1,4 @@
-//! Generate: synthetic like traffic for the demo and benchmarks.
+//! Generate: synthetic like traffic for the demo, the producer and the benchmarks.
 //!
 //! Posts are drawn from a Zipf distribution (a few posts get most likes), one
 //! viral post takes a fixed share of all events, and a fraction of events are
@@ -11,7 +11,7 @@ use rand::Rng;
 use rand::rngs::SmallRng;
 use rand_distr::{Distribution, Zipf};
 
-use crate::domain::proto::Action;
+use tally::domain::proto::Action;
 
 /// Shape of the traffic.
 #[derive(Debug, Clone)]

@@ -1,9 +1,9 @@
-//! Bench reads: `tally bench-reads`, the read path of `tally serve` under
+//! Bench reads: `tally-lab bench-reads`, the read path of `tally serve` under
 //! load, next to reading the same counter keys from Redis directly.
 //!
 //! It starts its own redis-server on a free loopback port, writes a layout
 //! record and counter keys with known values through the library's key
-//! layout, starts this binary's `tally serve` with its defaults on a free
+//! layout, starts `tally serve` (the `--tally-bin` binary) with its defaults on a free
 //! port, checks that every answer equals the written totals, and then loads
 //! it with wrk, one case at a time:
 //!
@@ -28,23 +28,23 @@ use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rustc_hash::FxHashMap;
 use tally::domain::layout::{self, Record};
-use tally::infra::config::{DEFAULT_SERVE_MAX_CONCURRENT, StoreSettings};
-use tally::infra::config::{DEFAULT_SERVE_MAX_IDS, DEFAULT_SLOT_GROUPS};
+use tally::infra::config::{DEFAULT_SERVE_MAX_CONCURRENT, DEFAULT_SERVE_MAX_IDS};
 use tally::read::Reader;
 
-use crate::tools::bench::services::RedisSnapshot;
-use crate::tools::local::{free_port, start_redis};
-use crate::tools::markdown::{header, thousands, today_utc, write_between};
+use crate::bench::services::RedisSnapshot;
+use crate::binaries::Tally;
+use crate::local::{free_port, start_redis};
+use crate::markdown::{command_line, header, thousands, today_utc, write_between};
 use clients::{Clients, Load, Programs};
 
-/// Settings of `tally bench-reads`.
+/// Settings of `tally-lab bench-reads`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchReadsConfig {
     /// Seconds of each wrk and redis-benchmark run.
@@ -114,7 +114,7 @@ const HOT_POST: u64 = 1 << 40;
 /// The key prefix the counts are written under.
 const PREFIX: &str = "reads";
 
-const BEGIN: &str = "<!-- reads:begin (written by `tally bench-reads --out`) -->";
+const BEGIN: &str = "<!-- reads:begin (written by `tally-lab bench-reads --out`) -->";
 const END: &str = "<!-- reads:end -->";
 
 /// A progress line on stderr.
@@ -160,8 +160,8 @@ struct Run {
     redis_version: String,
 }
 
-/// Runs `tally bench-reads`.
-pub async fn bench_reads(config: BenchReadsConfig) -> Result<()> {
+/// Runs `tally-lab bench-reads` on the `tally` binary `tally` names.
+pub async fn bench_reads(config: BenchReadsConfig, tally: Tally) -> Result<()> {
     config.validate()?;
     let programs = Programs::find()?;
     let dir = tempfile::Builder::new()
@@ -175,7 +175,7 @@ pub async fn bench_reads(config: BenchReadsConfig) -> Result<()> {
     let run = {
         let config = config.clone();
         let dir = dir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || measure(&config, &programs, &seeded, &dir))
+        tokio::task::spawn_blocking(move || measure(&config, &programs, &tally, &seeded, &dir))
     };
     let run = run.await.context("the measuring thread failed")??;
     let report = render(&config, &run)?;
@@ -190,8 +190,7 @@ pub async fn bench_reads(config: BenchReadsConfig) -> Result<()> {
 /// Writes the layout record and every counter through the library's key
 /// layout, and returns the totals and the keys reads of them sum.
 async fn seed(redis_url: &str, config: &BenchReadsConfig) -> Result<Seeded> {
-    let settings = StoreSettings::new(redis_url, None, PREFIX, DEFAULT_SLOT_GROUPS)
-        .map_err(crate::errors::Problems)?;
+    let settings = crate::local::store(redis_url, PREFIX)?;
     let opened = layout::open(&settings).await?;
     let proposed = Record {
         format: layout::FORMAT,
@@ -264,7 +263,7 @@ fn port_of(url: &str) -> Result<u16> {
         .with_context(|| format!("no port in {url}"))
 }
 
-/// A `tally serve` child of this binary, killed when dropped.
+/// A `tally serve` child, killed when dropped.
 struct Serve {
     child: Child,
     addr: String,
@@ -274,15 +273,14 @@ struct Serve {
 impl Serve {
     /// Starts `tally serve` with its defaults (and `extra` flags) on a free
     /// port, logging into `dir`, and waits until it answers `/healthz`.
-    fn start(redis_url: &str, dir: &Path, name: &str, extra: &[&str]) -> Result<Serve> {
-        let mut command =
-            Command::new(std::env::current_exe().context("locating the tally binary")?);
-        // Defaults and the flags given here only.
-        for (var, _) in std::env::vars_os() {
-            if var.to_string_lossy().starts_with("TALLY_") {
-                command.env_remove(var);
-            }
-        }
+    fn start(
+        tally: &Tally,
+        redis_url: &str,
+        dir: &Path,
+        name: &str,
+        extra: &[&str],
+    ) -> Result<Serve> {
+        let mut command = tally.command();
         let addr = format!("127.0.0.1:{}", free_port()?);
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::File::create(&log).context("creating the serve log")?;
@@ -422,6 +420,7 @@ fn served(
 fn measure(
     config: &BenchReadsConfig,
     programs: &Programs,
+    tally: &Tally,
     seeded: &Seeded,
     dir: &Path,
 ) -> Result<Run> {
@@ -436,13 +435,14 @@ fn measure(
         .trim()
         .to_string();
     progress("starting tally serve");
-    let serve = Serve::start(&seeded.redis_url, dir, "serve", &[])?;
+    let serve = Serve::start(tally, &seeded.redis_url, dir, "serve", &[])?;
     let checked = verify(&serve, seeded, config)?;
     progress(&format!("{checked} answers equal the written totals"));
     let mut cases = cached_cases(config, programs, seeded, &serve, &mut conn, dir)?;
     drop(serve);
     progress("starting tally serve --cache-ttl-ms 0");
     let serve = Serve::start(
+        tally,
         &seeded.redis_url,
         dir,
         "serve-uncached",
@@ -537,12 +537,6 @@ fn cached_cases(
     Ok(vec![hot, zipf, batch])
 }
 
-/// The command line as a reader would repeat it.
-fn command_line() -> String {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    format!("tally {}", args.join(" "))
-}
-
 fn ms(load: &Load) -> String {
     format!("{:.2} / {:.2} ms", load.p50_ms, load.p99_ms)
 }
@@ -558,7 +552,7 @@ fn render(config: &BenchReadsConfig, run: &Run) -> Result<String> {
          defaults: cache TTL {} ms, at most {} requests at once, one tokio worker per core.  ",
         today_utc(),
         run.redis_version,
-        thousands(crate::serve::DEFAULT_CACHE_TTL_MS),
+        thousands(tally::read::DEFAULT_CACHE_TTL_MS),
         DEFAULT_SERVE_MAX_CONCURRENT,
     )?;
     writeln!(

@@ -20,19 +20,21 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::tools::local::{Service, create_topic, start_kafka, start_redis};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tally::domain::routing::KeyLayout;
-use tally::generate::{Traffic, TrafficShape};
-use tally::infra::config::kafka_client_config;
+use tally::infra::config::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings};
+use tally::infra::config::{
+    Batching, DEFAULT_PREFIX, GroupProtocol, HotSettings, KafkaSecurity, KafkaSettings,
+    RunSettings, StoreSettings, kafka_client_config,
+};
 use tally::infra::metrics;
 use tally::pipeline::run::RunError;
 use tally::read::Reader;
+use tally_lab::generate::{Traffic, TrafficShape};
 
-use crate::errors::Problems;
-use crate::settings::{BucketsArg, RunArgs, StoreArgs};
+use crate::local::{Service, create_topic, settings_error, start_kafka, start_redis};
 
-/// Settings of `tally demo`.
+/// Settings of `tally-lab demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoConfig {
     /// Events produced per second in total.
@@ -192,6 +194,46 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
     Ok(())
 }
 
+/// What `tally run` would use with its defaults, on `topic` of `brokers` in the group
+/// `tally-demo`, counting into `store` with `buckets` buckets per post.
+fn run_settings(
+    brokers: &str,
+    topic: &str,
+    store: StoreSettings,
+    buckets: u32,
+) -> Result<RunSettings> {
+    let settings = RunSettings {
+        kafka: KafkaSettings {
+            brokers: brokers.to_string(),
+            topic: topic.to_string(),
+            group: "tally-demo".into(),
+            group_protocol: GroupProtocol::default(),
+            group_instance_id: None,
+            dead_letter_topic: None,
+            security: KafkaSecurity::default(),
+            extra: Vec::new(),
+        },
+        store,
+        buckets: Some(buckets),
+        hot: HotSettings::default(),
+        batching: Batching::default(),
+        metrics_addr: None,
+        test_script_pause: Duration::ZERO,
+        accept_lost_counts: false,
+        schema_ids: Vec::new(),
+        dedupe: DedupeSettings {
+            mode: DedupeMode::Off,
+            span: DEFAULT_WINDOW,
+        },
+    };
+    let problems = settings.problems();
+    if problems.is_empty() {
+        Ok(settings)
+    } else {
+        Err(settings_error(problems))
+    }
+}
+
 /// The pipeline running in-process: the aggregator, the generator feeding
 /// it, and what the display and the final check read.
 struct Pipeline {
@@ -216,28 +258,16 @@ impl Pipeline {
         topic: String,
         redis_url: &str,
     ) -> Result<Self> {
-        let args = RunArgs {
-            brokers: brokers.clone(),
-            topic: topic.clone(),
-            group: "tally-demo".into(),
-            store: StoreArgs {
-                redis: redis_url.to_string(),
-                ..StoreArgs::default()
-            },
-            buckets: BucketsArg {
-                buckets: Some(config.buckets),
-            },
-            ..RunArgs::default()
-        };
-        let settings = args.settings().map_err(Problems)?;
+        let store = crate::local::store(redis_url, DEFAULT_PREFIX)?;
+        let settings = run_settings(&brokers, &topic, store.clone(), config.buckets)?;
         let totals = Totals::install()?;
         let shutdown = CancellationToken::new();
         let aggregator = tokio::spawn(tally::pipeline::run::run(settings, shutdown.clone()));
         let produced = Arc::new(Produced::default());
         let generator = tokio::spawn(generate(brokers, topic, config.clone(), produced.clone()));
-        let keys = KeyLayout::new("tally");
+        let keys = KeyLayout::new(DEFAULT_PREFIX);
         let conn = redis::Client::open(redis_url)?.get_connection()?;
-        let store = tally::domain::layout::open(&args.store.settings().map_err(Problems)?).await?;
+        let store = tally::domain::layout::open(&store).await?;
         let reader = Reader::new(store.store, keys.clone(), config.buckets, Duration::ZERO);
         Ok(Self {
             totals,

@@ -1,4 +1,4 @@
-//! Bench writes: `tally bench-writes`, what one counter write costs Redis,
+//! Bench writes: `tally-lab bench-writes`, what one counter write costs Redis,
 //! inside `apply.lua` and outside it, on keys the server's caches hold and on
 //! keys they do not.
 //!
@@ -21,7 +21,7 @@
 //!   as a call names.
 //!
 //! Every key exists before the first round, so no case pays for creating keys
-//! (`tally bench` shows that creation changes little).
+//! (`tally-lab bench` shows that creation changes little).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -33,11 +33,11 @@ use rand::{Rng as _, SeedableRng as _};
 use tally::domain::routing::KeyLayout;
 use tally::pipeline::apply::APPLY_LUA;
 
-use crate::tools::bench::services::RedisSnapshot;
-use crate::tools::local::start_redis;
-use crate::tools::markdown::{header, thousands, today_utc, write_between};
+use crate::bench::services::RedisSnapshot;
+use crate::local::start_redis;
+use crate::markdown::{command_line, header, thousands, today_utc, write_between};
 
-/// Settings of `tally bench-writes`.
+/// Settings of `tally-lab bench-writes`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchWritesConfig {
     /// Counter keys set before the cases run (posts 1..=counters, one bucket each).
@@ -73,14 +73,14 @@ impl BenchWritesConfig {
     }
 }
 
-const BEGIN: &str = "<!-- writes:begin (written by `tally bench-writes --out`) -->";
+const BEGIN: &str = "<!-- writes:begin (written by `tally-lab bench-writes --out`) -->";
 const END: &str = "<!-- writes:end -->";
 
 /// The key prefix of the counters.
 const PREFIX: &str = "writes";
 
-/// `INCR`s per pipeline of the naive case: `tally bench`'s poll batch.
-const PIPELINE: usize = crate::tools::bench::NAIVE_POLL_BATCH;
+/// `INCR`s per pipeline of the naive case: `tally-lab bench`'s poll batch.
+const PIPELINE: usize = crate::bench::NAIVE_POLL_BATCH;
 
 /// A script with `apply.lua`'s fence read and write that touches no counter.
 const KEYS_ONLY_LUA: &str = "local f = redis.call('GET', KEYS[1])\n\
@@ -222,7 +222,7 @@ impl Bench {
     }
 }
 
-/// Runs `tally bench-writes`.
+/// Runs `tally-lab bench-writes`.
 pub async fn bench_writes(config: BenchWritesConfig) -> Result<()> {
     config.validate()?;
     tokio::task::spawn_blocking(move || bench_blocking(&config))
@@ -323,8 +323,7 @@ fn median(values: &mut [f64]) -> f64 {
 
 fn render(config: &BenchWritesConfig, version: &str, figures: &[Vec<f64>]) -> Result<String> {
     let mut out = String::new();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    header(&mut out, &format!("tally {}", args.join(" ")))?;
+    header(&mut out, &command_line())?;
     writeln!(
         out,
         "Date: {}. redis-server {version} (no persistence) on the same machine, holding {} counters; \

@@ -377,7 +377,7 @@ mod tests {
 
     #[test]
     fn docs_show_what_the_planner_prints_now() {
-        let doc = include_str!("../../../../../docs/sizing.md");
+        let doc = include_str!("../../../../docs/sizing.md");
         for flags in [
             "--peak-events 120000 --hot-events 14000",
             "--peak-events 10000000 --hot-events 800000",

@@ -1,9 +1,9 @@
-//! Bench: `tally bench`, tally against its ceiling and the obvious alternative,
+//! Bench: `tally-lab bench`, tally against its ceiling and the obvious alternative,
 //! on the same events, in one run.
 //!
 //! For each workload (Zipf popularity; Zipf plus a viral reel) it starts its
 //! own Apache Kafka broker and redis-server on free loopback ports, produces the
-//! events once into a topic, and then lets four consumers read that same
+//! events once into a topic, and then lets these consumers read that same
 //! backlog from the start, each in its own process, group and key prefix:
 //!
 //! * **raw**: a consumer group that receives and decodes, and writes nothing
@@ -15,7 +15,9 @@
 //! * **naive, pipelined**: the same commands sent as one pipeline per poll
 //!   batch, the first optimisation such a team makes. Neither naive consumer
 //!   has a fence, so neither is exactly-once across a crash;
-//! * **tally**: `tally run` with its defaults, as a user starts it.
+//! * **tally**: `tally run` with its defaults, as a user starts it;
+//! * **Kafka Streams** (with `--streams-peer`): the exactly_once_v2 application
+//!   of scripts/streams-peer as a child JVM, on Kafka's defaults ([`streams`]).
 //!
 //! The pipelined naive consumer and tally read the backlog once more, each into
 //! a prefix whose counters exist before they start ([`present`]), so the cost
@@ -32,9 +34,17 @@
 //! events (`INFO cpu` delta), peak RSS of the consumer process (`VmHWM`), and
 //! for tally the produce-to-visible latency of a marker post while new events
 //! arrive at a fixed rate, and on the viral workload the writes per second of
-//! the busiest key and primary ([`hotkeys`]). Counts of a sample of posts are checked against the
+//! the busiest key and primary ([`hotkeys`]), and at that same rate the cost
+//! against scale: 1 and 2 `tally run` processes in one group, each row on a
+//! topic of its own ([`fleet`]), beside simulated rows for what the machine's
+//! cores cannot run ([`scale`]). Counts of a sample of posts are checked against the
 //! producer's truth. Broker, Redis, producer and consumers share the machine's
 //! cores, so the report names the machine; the CPU columns show who is busy.
+//!
+//! Last, each consumer that keeps counts (the pipelined naive one, tally and
+//! Kafka Streams) reads the whole topic once more, is killed with SIGKILL
+//! half-way and restarted, and every post's count is compared with the truth
+//! ([`kill`]).
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -44,29 +54,32 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rustc_hash::FxHashMap;
 
-use crate::tools::produce::{Plan, progress_bar, send};
-use report::{render, thousands, write_between_markers};
+use crate::binaries::Tally;
+use crate::local;
+use crate::markdown::thousands;
+use crate::produce::{Plan, parse_key_value, progress_bar, send};
+use report::{render, write_between_markers};
 use services::{start_kafka, start_redis};
-use tally::generate::TrafficShape;
-use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
 use tally::read::Reader;
+use tally_lab::generate::TrafficShape;
 use tally_run::{Latency, LatencyPlan};
 
 mod baseline;
+mod fleet;
 mod hotkeys;
+mod kill;
 mod present;
 mod report;
 mod scale;
 pub(crate) mod services;
 mod stages;
+mod streams;
 mod tally_run;
 
 pub use baseline::{Baseline, NAIVE_POLL_BATCH};
 use services::{create_topic, seal};
 
-use crate::settings::{StoreArgs, parse_key_value};
-
-/// Settings of `tally bench`.
+/// Settings of `tally-lab bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchConfig {
     /// Events in each workload's backlog (every consumer reads all of them).
@@ -123,6 +136,18 @@ pub struct BenchConfig {
     #[arg(long = "variant", value_name = "ARGS", allow_hyphen_values = true)]
     pub variants: Vec<String>,
 
+    /// A valkey-server binary: the pipelined naive consumer and `tally run` with the defaults
+    /// read each backlog once more into a Valkey server it starts, so both stores' Redis CPU
+    /// rows sit side by side (scripts/bench fetches Valkey and passes it).
+    #[arg(long, env = "TALLY_VALKEY_SERVER", value_name = "PATH")]
+    pub valkey_server: Option<PathBuf>,
+
+    /// The Kafka Streams peer, built (`ensure_streams_peer` in scripts/lib.sh builds
+    /// scripts/streams-peer and sets STREAMS_PEER_HOME): it counts each workload too, with
+    /// exactly_once_v2, for a row beside tally's and a SIGKILL test of its own.
+    #[arg(long, env = "STREAMS_PEER_HOME", value_name = "DIR")]
+    pub streams_peer: Option<PathBuf>,
+
     /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -149,6 +174,13 @@ impl BenchConfig {
                 "--latency-secs and --naive-max-secs must be at least 1",
             );
         }
+        if let Some(problem) = self
+            .streams_peer
+            .as_deref()
+            .and_then(streams::Peer::problem)
+        {
+            return bad("streams-peer", &problem);
+        }
         Ok(())
     }
 }
@@ -166,6 +198,28 @@ struct Env {
     producer_config: Vec<(String, String)>,
     /// Extra arguments of the measured `tally run`.
     tally_args: Vec<String>,
+    /// The `tally` binary measured.
+    tally: Tally,
+    /// The Valkey server the second store's rows use, and its version.
+    valkey: Option<(String, String)>,
+}
+
+impl Env {
+    /// The same services and settings, with the consumers writing to the store at `url`.
+    fn on_store(&self, url: &str) -> Env {
+        Env {
+            brokers: self.brokers.clone(),
+            redis: url.to_string(),
+            naive_max_secs: self.naive_max_secs,
+            dir: self.dir.clone(),
+            broker_pid: self.broker_pid.clone(),
+            kafka_args: self.kafka_args.clone(),
+            producer_config: self.producer_config.clone(),
+            tally_args: self.tally_args.clone(),
+            tally: self.tally.clone(),
+            valkey: None,
+        }
+    }
 }
 
 /// What one consumer achieved on one workload.
@@ -240,12 +294,21 @@ struct Outcome {
     /// The pipelined naive consumer and `tally run` on the backlog again, each
     /// into a prefix whose counters exist ([`present`]).
     present: (Measured, Measured),
+    /// On the second store (`--valkey-server`): its version, then the pipelined
+    /// naive consumer and `tally run` with the defaults on the backlog.
+    valkey: Option<(String, Measured, Measured)>,
     /// The workload's traffic.
     shape: TrafficShape,
+    /// `tally run` processes in one group at the latency phase's rate ([`fleet`]).
+    fleet: Vec<fleet::Row>,
+    /// The Kafka Streams peer (`--streams-peer`): its row and checks.
+    streams: Option<streams::Figures>,
+    /// The SIGKILL tests ([`kill`]): the pipelined naive consumer, tally, Kafka Streams.
+    killed: Vec<kill::Killed>,
 }
 
-/// Settings of one baseline consumer, a child process of `tally bench`
-/// (the hidden command `tally bench-baseline`).
+/// Settings of one baseline consumer, a child process of `tally-lab bench`
+/// (the hidden command `tally-lab bench-baseline`).
 #[derive(Clone, Args)]
 pub struct BaselineArgs {
     /// Which baseline to run.
@@ -269,9 +332,12 @@ pub struct BaselineArgs {
     /// librdkafka setting, repeatable.
     #[arg(short = 'X', long = "kafka-config", value_parser = parse_key_value)]
     pub kafka_config: Vec<(String, String)>,
-    /// Where the naive consumers write.
-    #[command(flatten)]
-    pub store: StoreArgs,
+    /// The redis-server the naive consumers write to.
+    #[arg(long)]
+    pub redis: String,
+    /// Key prefix of the naive consumers' counters.
+    #[arg(long)]
+    pub prefix: String,
 }
 
 /// Runs one baseline child.
@@ -279,17 +345,27 @@ pub async fn baseline(args: BaselineArgs) -> Result<()> {
     baseline::run(&args).await
 }
 
-/// Runs `tally bench`.
-pub async fn bench(config: BenchConfig) -> Result<()> {
+/// Runs `tally-lab bench` on the `tally` binary `tally` names.
+pub async fn bench(config: BenchConfig, tally: Tally) -> Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
-    tokio::task::spawn_blocking(move || bench_blocking(config))
+    tokio::task::spawn_blocking(move || bench_blocking(config, tally))
         .await
         .context("the benchmark thread failed")?
 }
 
-fn bench_blocking(config: BenchConfig) -> Result<()> {
+fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
     let dir = tempfile::Builder::new().prefix("tally-bench").tempdir()?;
     let (_redis, redis) = start_redis(dir.path())?;
+    let (_valkey, valkey) = match &config.valkey_server {
+        Some(program) => {
+            let valkey_dir = dir.path().join("valkey");
+            std::fs::create_dir_all(&valkey_dir)?;
+            let (service, url) = local::start_store(program, &valkey_dir)?;
+            let version = report::store_version(&url)?;
+            (Some(service), Some((url, version)))
+        }
+        None => (None, None),
+    };
     let (kafka, brokers) = start_kafka(dir.path())?;
     let env = Env {
         brokers,
@@ -304,6 +380,8 @@ fn bench_blocking(config: BenchConfig) -> Result<()> {
             .collect(),
         producer_config: config.producer_config.clone(),
         tally_args: config.tally_args.clone(),
+        tally,
+        valkey,
     };
     eprintln!(
         "broker {}, redis {}, logs in {}",
@@ -419,6 +497,31 @@ fn workload(
         let measured = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
         variants.push((args.join(" "), measured));
     }
+    let valkey = match &env.valkey {
+        Some((url, version)) => {
+            let on_valkey = env.on_store(url);
+            eprintln!("{name}: naive, pipelined, on Valkey {version}...");
+            let naive = baseline::measure(
+                Baseline::NaivePipelined,
+                &on_valkey,
+                &topic,
+                &format!("{name}-valkey"),
+                &truth,
+                backlog,
+                false,
+            )?;
+            eprintln!("{name}: tally run, on Valkey {version}...");
+            let run = tally_run::Variant {
+                name: format!("{name}-valkey"),
+                args: &env.tally_args,
+                present: false,
+            };
+            let tally =
+                tally_run::measure_backlog(&on_valkey, &topic, &run, config.partitions, &truth)?;
+            Some((version.clone(), naive, tally))
+        }
+        None => None,
+    };
     eprintln!("{name}: tally run, counters present...");
     let run = tally_run::Variant {
         name: format!("{name}-present"),
@@ -426,6 +529,17 @@ fn workload(
         present: true,
     };
     let tally_present = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
+    let peer = config.streams_peer.as_deref().map(streams::Peer::new);
+    let streams_backlog = match &peer {
+        Some(peer) => {
+            eprintln!("{name}: Kafka Streams...");
+            let partitions = config.partitions;
+            Some(streams::measure_backlog(
+                peer, env, &topic, name, partitions, &truth,
+            )?)
+        }
+        None => None,
+    };
     eprintln!("{name}: tally run...");
     let tally = tally_run::measure(
         env,
@@ -436,6 +550,34 @@ fn workload(
         shape,
         latency,
     )?;
+    let fleet = match tally.latency {
+        Some(l) => fleet::measure(env, name, shape, l.target_rate, config.latency_secs)?,
+        None => Vec::new(),
+    };
+    eprintln!("{name}: SIGKILL half-way, naive pipelined...");
+    let mut killed = vec![kill::naive(env, &topic, name, config.partitions, &truth)?];
+    eprintln!("{name}: SIGKILL half-way, tally run...");
+    killed.push(kill::tally(env, &topic, name, config.partitions, &truth)?);
+    let streams = match (&peer, streams_backlog) {
+        (Some(peer), Some(backlog)) => {
+            eprintln!("{name}: SIGKILL half-way, Kafka Streams...");
+            let rate = tally.latency.map_or(1, |l| l.target_rate);
+            let (figures, streams_killed) = streams::killed_then_timed(
+                peer,
+                env,
+                &topic,
+                name,
+                config.partitions,
+                &mut truth,
+                shape,
+                (rate, config.latency_secs),
+                backlog,
+            )?;
+            killed.push(streams_killed);
+            Some(figures)
+        }
+        _ => None,
+    };
     Ok(Outcome {
         title,
         events: produced.acked,
@@ -446,7 +588,11 @@ fn workload(
         tally,
         variants,
         present: (pipelined_present, tally_present),
+        valkey,
         shape: shape.clone(),
+        fleet,
+        streams,
+        killed,
     })
 }
 
@@ -470,8 +616,7 @@ fn check_sample(
     let ids: Vec<u64> = sample.iter().map(|&(post, _)| post).collect();
     let counts = tokio::task::block_in_place(|| {
         tokio::runtime::Handle::current().block_on(async {
-            let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
-                .map_err(crate::errors::Problems)?;
+            let settings = crate::local::store(redis_url, prefix)?;
             let (opened, record) = tally::domain::layout::open_for_reading(&settings).await?;
             let reader = Reader::new(opened.store, opened.keys, record.buckets, Duration::ZERO);
             let mut counts = Vec::with_capacity(ids.len());

@@ -21,14 +21,14 @@ use anyhow::{Context, Result, bail};
 use rustc_hash::FxHashMap;
 
 use super::services::{
-    RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, seal, self_command, terminate, watermarks,
+    RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, seal, terminate, watermarks,
 };
 use super::{Env, Measured, check_sample, hotkeys, stages};
-use crate::tools::local::free_port;
-use crate::tools::produce::{Marker, Plan, Summary, progress_bar, send};
+use crate::local::free_port;
+use crate::produce::{Marker, Plan, Summary, progress_bar, send};
 use tally::domain::routing::{KeyLayout, bucket_of};
-use tally::generate::TrafficShape;
 use tally::infra::config::DEFAULT_BUCKETS;
+use tally_lab::generate::TrafficShape;
 
 /// Follows a `tally run` child through its fences in Redis.
 struct FenceWatch {
@@ -284,7 +284,9 @@ impl TallyRun {
     ) -> Result<Self> {
         let log = File::create(log_path)?;
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        let child = self_command()?
+        let child = env
+            .tally
+            .command()
             .arg("run")
             .args([
                 "--brokers",
@@ -403,7 +405,7 @@ fn buckets_of(args: &[String]) -> u32 {
 /// The topic's watermarks once they hold `messages` messages, every one the
 /// broker acknowledged: catching up to marks read too early would check counts
 /// before the last events are applied.
-fn settled_watermarks(
+pub(super) fn settled_watermarks(
     brokers: &str,
     topic: &str,
     partitions: u32,
@@ -462,8 +464,37 @@ pub(super) const MARKER_POST: u64 = 1 << 40;
 /// Marker likes per second: enough samples for a p99 in a short phase.
 const MARKERS_PER_SEC: u64 = 50;
 
+/// The user of every marker like.
+const MARKER_USER: u64 = 1;
+
+/// Where the latency phase sees the marker post's count.
+pub(super) enum Probe {
+    /// tally: a `GET` of the marker's counter key, every millisecond.
+    Get { url: String, key: String },
+    /// Kafka Streams: the marker's records in its output topic, read `read_committed`.
+    Output(super::streams::OutputWatch),
+}
+
+impl Probe {
+    /// How long the probe waits, once the phase has ended, for the last marker likes.
+    fn patience(&self) -> Duration {
+        match self {
+            Probe::Get { .. } => Duration::from_secs(30),
+            Probe::Output(_) => super::streams::PATIENCE,
+        }
+    }
+
+    /// Notes when each marker like becomes visible, until `stop` and `want` of them are seen.
+    fn watch(self, stop: Arc<AtomicBool>, want: Arc<AtomicU64>) -> Result<(Vec<Instant>, u64)> {
+        match self {
+            Probe::Get { url, key } => watch_marker(&url, key, stop, want),
+            Probe::Output(watch) => watch.run(&stop, &want),
+        }
+    }
+}
+
 /// Produces at `rate` for `secs` with a marker post, and returns the marker's
-/// produce-acknowledged-to-visible latency.
+/// produce-acknowledged-to-visible latency, read from tally's counter key.
 fn latency_phase(
     env: &Env,
     topic: &str,
@@ -473,20 +504,38 @@ fn latency_phase(
     secs: u64,
     truth: &mut FxHashMap<u64, i64>,
 ) -> Result<Latency> {
+    let key = KeyLayout::new(prefix).counter_key(MARKER_POST, bucket_of(MARKER_USER, buckets(env)));
+    let probe = Probe::Get {
+        url: env.redis.clone(),
+        key,
+    };
+    timed_phase(env, topic, shape, rate, secs, truth, probe)
+}
+
+/// Produces at `rate` for `secs` with a marker post, and returns the marker's
+/// produce-acknowledged-to-visible latency, as `probe` sees it.
+pub(super) fn timed_phase(
+    env: &Env,
+    topic: &str,
+    shape: &TrafficShape,
+    rate: u64,
+    secs: u64,
+    truth: &mut FxHashMap<u64, i64>,
+    probe: Probe,
+) -> Result<Latency> {
     let marker = Marker {
         post_id: MARKER_POST,
-        user_id: 1,
+        user_id: MARKER_USER,
         every: (rate / MARKERS_PER_SEC).max(1),
     };
-    let key =
-        KeyLayout::new(prefix).counter_key(MARKER_POST, bucket_of(marker.user_id, buckets(env)));
+    let patience = probe.patience();
     let (stop, want) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicU64::new(u64::MAX)),
     );
     let watcher = {
-        let (url, stop, want) = (env.redis.clone(), stop.clone(), want.clone());
-        std::thread::spawn(move || watch_marker(&url, key, stop, want))
+        let (stop, want) = (stop.clone(), want.clone());
+        std::thread::spawn(move || probe.watch(stop, want))
     };
     let plan = Plan {
         shape: shape.clone(),
@@ -525,9 +574,10 @@ fn latency_phase(
         .collect();
     if ms.len() < summary.marker_acks.len() {
         bail!(
-            "only {} of {} marker likes became visible within 30 s of the end",
+            "only {} of {} marker likes became visible within {} s of the end",
             ms.len(),
-            summary.marker_acks.len()
+            summary.marker_acks.len(),
+            patience.as_secs()
         );
     }
     ms.sort_by(f64::total_cmp);

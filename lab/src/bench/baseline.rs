@@ -1,5 +1,5 @@
 //! The baselines tally is measured against, each run as a child process of
-//! this binary (`tally bench --baseline KIND ...`) so that its memory is its own.
+//! this binary (`tally-lab bench-baseline --baseline KIND ...`) so that its memory is its own.
 //!
 //! All of them use a fresh consumer group, read the topic from the start,
 //! decode every message with [`tally::pipeline::decode::decode`] and never auto-commit.
@@ -18,7 +18,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rustc_hash::FxHashMap;
 
-use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn, self_command};
+use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn};
 use super::{BaselineArgs, Env, Measured, check_sample};
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
 use tally::infra::config::{DEFAULT_BUCKETS, StoreSettings};
@@ -59,7 +59,7 @@ async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<(
 /// prints `events= secs= rss_kib= cpu_secs=` on stdout.
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
-    let store = config.store.settings().map_err(crate::errors::Problems)?;
+    let store = crate::local::store(&config.redis, &config.prefix)?;
     let consumer: StreamConsumer =
         tally::infra::config::kafka_client_config(&config.brokers, &config.kafka_config)
             .set("group.id", &config.group)
@@ -158,7 +158,7 @@ pub(super) fn measure(
     }
     let before = RedisSnapshot::take(&mut conn)?;
     let broker_before = cpu_secs(&env.broker_pid);
-    let output = self_command()?
+    let output = crate::binaries::lab_command()?
         .arg("bench-baseline")
         .args(["--baseline", kind.name()])
         .args([

@@ -1,6 +1,5 @@
 //! Services of the benchmark: the local broker and redis-server (see
-//! [`crate::tools::local`]), child processes of this binary, and the figures read
-//! from Redis and /proc.
+//! [`crate::local`]), and the figures read from Redis and /proc.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -11,19 +10,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rustc_hash::FxHashMap;
 use tally::domain::proto::Action;
 
-pub use crate::tools::local::{create_topic, start_kafka, start_redis};
-
-/// A command for this same binary, with no `TALLY_*` setting inherited, so
-/// children run with defaults and the flags given here only.
-pub(super) fn self_command() -> Result<Command> {
-    let mut command = Command::new(std::env::current_exe().context("locating the tally binary")?);
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("TALLY_") {
-            command.env_remove(name);
-        }
-    }
-    Ok(command)
-}
+pub use crate::local::{create_topic, start_kafka, start_redis};
 
 /// Command calls and CPU time of a Redis server at one moment.
 #[derive(Debug, Clone, Default)]

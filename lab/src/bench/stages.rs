@@ -48,7 +48,7 @@ pub(super) fn counter(addr: SocketAddr, name: &str) -> Result<f64> {
 }
 
 /// `GET /metrics` from `addr`, as text.
-fn metrics_text(addr: SocketAddr) -> Result<String> {
+pub(super) fn metrics_text(addr: SocketAddr) -> Result<String> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
         .with_context(|| format!("connecting to tally's metrics at {addr}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;

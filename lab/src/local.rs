@@ -1,5 +1,5 @@
 //! Local services: a private redis-server and Apache Kafka node on free loopback
-//! ports, for the demo and the benchmark.
+//! ports, for the demo and the benchmarks, and the store settings for such a redis-server.
 //!
 //! Invariant: every process started here is a child of this one and is killed
 //! when its handle drops, so nothing outlives the command that started it.
@@ -15,6 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use tally::infra::config::{ConfigError, DEFAULT_SLOT_GROUPS, StoreSettings};
 
 /// Finds a program on PATH or in ~/.cargo/bin.
 pub fn find_program(name: &str) -> Option<PathBuf> {
@@ -69,6 +70,12 @@ fn wait_for_port(port: u16, what: &str, child: &mut Child) -> Result<()> {
 pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
     let program = find_program("redis-server")
         .context("redis-server not found; install it with `apt-get install -y redis-server` (scripts/demo and scripts/bench do)")?;
+    start_store(&program, dir)
+}
+
+/// Starts `program` (a redis-server or valkey-server binary) on a free loopback port without
+/// persistence, its files in `dir`; returns it and its URL once it accepts connections.
+pub fn start_store(program: &Path, dir: &Path) -> Result<(Service, String)> {
     let port = free_port()?;
     let child = Command::new(program)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -78,9 +85,12 @@ pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
         .stdout(Stdio::null())
         .process_group(0)
         .spawn()
-        .context("starting redis-server")?;
+        .with_context(|| format!("starting {}", program.display()))?;
     let mut service = Service { child };
-    wait_for_port(port, "redis-server", &mut service.child)?;
+    let name = program
+        .file_name()
+        .map_or_else(|| "the store".into(), |n| n.to_string_lossy().into_owned());
+    wait_for_port(port, &name, &mut service.child)?;
     Ok((service, format!("redis://127.0.0.1:{port}/")))
 }
 
@@ -90,12 +100,12 @@ pub fn start_redis(dir: &Path) -> Result<(Service, String)> {
 fn broker_script() -> PathBuf {
     std::env::var_os("TALLY_KAFKA_BROKER_SCRIPT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kafka/broker"))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka/broker"))
 }
 
 /// The Apache Kafka version scripts/kafka/pom.xml pins, the one [`start_kafka`] runs.
 pub fn kafka_version() -> &'static str {
-    const POM: &str = include_str!("../../../../scripts/kafka/pom.xml");
+    const POM: &str = include_str!("../../scripts/kafka/pom.xml");
     POM.split("<kafka.version>")
         .nth(1)
         .and_then(|rest| rest.split('<').next())
@@ -190,4 +200,16 @@ pub fn create_topic(brokers: &str, topic: &str, partitions: u32) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The settings of a store at `redis_url` (a redis-server this process started, so no
+/// password and no TLS) under `prefix`.
+pub fn store(redis_url: &str, prefix: &str) -> Result<StoreSettings> {
+    StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS).map_err(settings_error)
+}
+
+/// Settings the library refused, as one error naming each.
+pub fn settings_error(problems: Vec<ConfigError>) -> anyhow::Error {
+    let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    anyhow::anyhow!("{}", lines.join("; "))
 }

@@ -1,7 +1,8 @@
 //! The Markdown around benchmark reports: a block of generated text kept
 //! between two markers of a file, so the prose around it stays, and the
-//! machine and date a report names.
+//! command, machine and date a report names.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -17,6 +18,38 @@ pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> Result<
         _ => format!("{}\n\n{block}\n", old.trim_end()),
     };
     std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// This process's command line as a reader would type it again: `tally-lab` and its
+/// arguments (see [`shell_line`]).
+pub fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    shell_line("tally-lab", &args)
+}
+
+/// `program` and `args` as one line that a POSIX shell splits back into them: each argument
+/// bare when it is plain, else quoted (`--variant "--buckets 16"`), so the line can be pasted.
+pub fn shell_line(program: &str, args: &[String]) -> String {
+    let mut line = program.to_string();
+    for arg in args {
+        line.push(' ');
+        line.push_str(&quoted(arg));
+    }
+    line
+}
+
+/// `arg` as a shell reads it back: bare when it holds only characters no shell treats
+/// specially, in double quotes when nothing inside them would expand, else in single quotes
+/// (a `'` inside written as `'\''`).
+fn quoted(arg: &str) -> Cow<'_, str> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_=.,/:@%+".contains(c);
+    if !arg.is_empty() && arg.chars().all(plain) {
+        arg.into()
+    } else if !arg.contains(['"', '$', '`', '\\', '!']) {
+        format!("\"{arg}\"").into()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''")).into()
+    }
 }
 
 /// A report's first two lines: the command it came from and the machine.
@@ -109,5 +142,24 @@ mod tests {
         assert!(text.ends_with("tail\n\n<!-- b:begin -->\nmore\n<!-- b:end -->\n"));
         assert_eq!(thousands(1_234_567), "1,234,567");
         assert_eq!(today_utc().len(), 10);
+    }
+
+    #[test]
+    fn command_lines_quote_what_a_shell_would_split() {
+        let args = [
+            "bench",
+            "--variant",
+            "--buckets 16",
+            "--tally-arg=--buckets=1",
+            "-X",
+            "fetch.wait.max.ms=10",
+            "it's $HOME",
+            "",
+        ]
+        .map(String::from);
+        assert_eq!(
+            shell_line("tally-lab", &args),
+            r#"tally-lab bench --variant "--buckets 16" --tally-arg=--buckets=1 -X fetch.wait.max.ms=10 'it'\''s $HOME' """#
+        );
     }
 }

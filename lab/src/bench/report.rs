@@ -10,11 +10,10 @@ use super::hotkeys::HotKeys;
 use super::services::redis_conn;
 use super::tally_run::HOT_KEY_SECS;
 use super::{BenchConfig, Env, Measured, Outcome};
-pub(super) use crate::tools::markdown::thousands;
-use crate::tools::markdown::{header, today_utc};
+use crate::markdown::{header, shell_line, thousands, today_utc};
 use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
 
-fn ratio(a: f64, b: f64) -> String {
+pub(super) fn ratio(a: f64, b: f64) -> String {
     if b > 0.0 && a.is_finite() {
         format!("{:.2}×", a / b)
     } else {
@@ -68,25 +67,39 @@ fn key_values(settings: &[(String, String)]) -> String {
 
 /// The report: what was run where, then one section per workload.
 pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> Result<String> {
-    let redis_version = redis_version(&env.redis)?;
+    let redis_version = store_version(&env.redis)?;
     let mut out = String::new();
     setup(&mut out, config, &redis_version)?;
+    if let Some((_, version)) = &env.valkey {
+        writeln!(
+            out,
+            "The rows marked \"on Valkey\" read the same backlog into valkey-server {version} (no persistence), \
+             started beside redis-server on the same machine."
+        )?;
+    }
+    if config.streams_peer.is_none() {
+        writeln!(out, "{}", super::streams::NOT_MEASURED)?;
+    }
     for o in outcomes {
         workload(&mut out, config, o)?;
     }
     Ok(out)
 }
 
-/// The version the redis-server at `url` reports.
-fn redis_version(url: &str) -> Result<String> {
+/// The version the server at `url` reports: Valkey's own (`valkey_version`),
+/// else Redis's.
+pub(super) fn store_version(url: &str) -> Result<String> {
     let mut conn = redis_conn(url)?;
     let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
-    Ok(server
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_string())
+    let field = |name: &str| {
+        server
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_string())
+    };
+    Ok(field("valkey_version:")
+        .or_else(|| field("redis_version:"))
+        .unwrap_or_else(|| "?".into()))
 }
 
 /// The command line as a reader would repeat it.
@@ -97,9 +110,9 @@ fn command_line() -> String {
         [bench, out, path, rest @ ..]
             if bench == "bench" && out == "--out" && path == "docs/benchmarks.md" =>
         {
-            format!("scripts/bench {}", rest.join(" "))
+            shell_line("scripts/bench", rest)
         }
-        _ => format!("tally {}", args.join(" ")),
+        _ => shell_line("tally-lab", &args),
     }
 }
 
@@ -126,7 +139,7 @@ fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fm
          (no persistence), {} partitions per topic; tally's defaults: {} bucket(s) per post on a new prefix, \
          posts above {} events/s promoted to {} buckets.",
         today_utc(),
-        crate::tools::local::kafka_version(),
+        crate::local::kafka_version(),
         config.partitions,
         DEFAULT_BUCKETS,
         DEFAULT_PROMOTE_ABOVE,
@@ -146,7 +159,9 @@ fn workload(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Re
     )?;
     table(out, config, o)?;
     comparison(out, o)?;
-    tally_details(out, config, o)
+    tally_details(out, config, o)?;
+    super::streams::report(out, config, o)?;
+    super::kill::table(out, &config.tally_args, &o.killed)
 }
 
 /// The table of the four consumers.
@@ -177,6 +192,9 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
         format!("tally run ({})", config.tally_args.join(" "))
     };
     row(out, &label_tally, &o.tally, "")?;
+    if let Some(streams) = &o.streams {
+        row(out, super::streams::LABEL, &streams.measured, "")?;
+    }
     for (args, measured) in &o.variants {
         row(
             out,
@@ -190,6 +208,12 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
     row(out, label, naive, &capped(naive))?;
     let label = format!("{label_tally}, counters present, backlog only");
     row(out, &label, tally, "")?;
+    if let Some((version, naive, tally)) = &o.valkey {
+        let label = format!("naive, pipelined per poll batch, on Valkey {version}");
+        row(out, &label, naive, &capped(naive))?;
+        let label = format!("{label_tally}, on Valkey {version}, backlog only");
+        row(out, &label, tally, "")?;
+    }
     Ok(())
 }
 
@@ -220,6 +244,32 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
             out,
             "tally ({args}) / naive pipelined: {}.  ",
             versus(measured, &o.pipelined)
+        )?;
+    }
+    for (args, measured) in &o.variants {
+        let extra = match (measured.calls_per_event(), o.tally.calls_per_event()) {
+            (Some(a), Some(b)) => format!("{:+.4}", a - b),
+            _ => "–".into(),
+        };
+        writeln!(
+            out,
+            "tally ({args}) / tally (defaults), on the same backlog: events/s **{}**, Redis calls per event {extra}, \
+             consumer CPU per event **{}**.  ",
+            ratio(measured.rate(), o.tally.rate()),
+            match (
+                measured.consumer_cpu_per_million(),
+                o.tally.consumer_cpu_per_million()
+            ) {
+                (Some(a), Some(b)) => ratio(a, b),
+                _ => "–".into(),
+            },
+        )?;
+    }
+    if let Some((version, naive, tally)) = &o.valkey {
+        writeln!(
+            out,
+            "On Valkey {version}, tally / naive pipelined: {}.  ",
+            versus(tally, naive)
         )?;
     }
     let (naive, tally) = &o.present;
@@ -282,7 +332,7 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
     hot_keys(out, o)?;
     if let Some(latency) = o.tally.latency {
         let rate = latency.target_rate;
-        super::scale::table(out, &o.shape, rate, &o.tally, config.partitions)?;
+        super::scale::table(out, &o.shape, rate, &o.tally, config.partitions, &o.fleet)?;
     }
     Ok(())
 }
@@ -338,12 +388,12 @@ fn hot_keys(out: &mut String, o: &Outcome) -> std::fmt::Result {
     )
 }
 
-const BEGIN: &str = "<!-- bench:begin (written by `tally bench --out`) -->";
+const BEGIN: &str = "<!-- bench:begin (written by `tally-lab bench --out`) -->";
 const END: &str = "<!-- bench:end -->";
 
 /// Replaces the text between the markers of `path` (or appends them).
 pub(super) fn write_between_markers(path: &Path, report: &str) -> Result<()> {
-    crate::tools::markdown::write_between(path, BEGIN, END, report)
+    crate::markdown::write_between(path, BEGIN, END, report)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //!   every script with, and packing it into the bytes sent to Redis.
 //!   Throughput is counter increments.
 //!
-//! Events come from [`tally::generate::Traffic`] with the benchmark's Zipf
+//! Events come from [`tally_lab::generate::Traffic`] with the benchmark's Zipf
 //! shape (s = 1.1 over 1,000,000 posts), so hash-map sizes and key lengths are
 //! the real ones.
 
@@ -18,10 +18,10 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tally::domain::routing::{KeyLayout, bucket_of};
-use tally::generate::{Traffic, TrafficShape};
 use tally::infra::config::{DEFAULT_BATCH_MAX_EVENTS, DEFAULT_BATCH_MAX_KEYS, DEFAULT_BUCKETS};
 use tally::pipeline::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
+use tally_lab::generate::{Traffic, TrafficShape};
 
 const EVENTS: usize = 200_000;
 const LIMITS: Limits = Limits {

@@ -1,4 +1,4 @@
-//! Produce: `tally produce`, synthetic like traffic into a Kafka topic, with
+//! Produce: `tally-lab produce`, synthetic like traffic into a Kafka topic, with
 //! the exact count every post should end up with.
 //!
 //! What it guarantees:
@@ -11,11 +11,15 @@
 //!   retries never write an event twice and never reorder a partition;
 //! * every message is keyed by its `user_id` as 8 big-endian bytes, which
 //!   spreads a viral post over every partition (see docs/contract.md's event contract);
+//! * every event carries an `event_id` of its own (this run's start time and
+//!   a sequence number), as docs/contract.md asks of producers, so a consumer
+//!   deduplicating by id (`tally run --dedupe ids`) counts every one;
 //! * the same `--seed` and shape give the same event sequence (the traffic
-//!   itself is [`tally::generate::Traffic`]);
+//!   itself is [`tally_lab::generate::Traffic`]);
 //! * a target `--rate` is held on average over the run, never exceeded by more
 //!   than about one millisecond's worth of events.
 
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
@@ -33,9 +37,9 @@ use rdkafka::producer::{BaseProducer, BaseRecord, Producer, ProducerContext};
 use rustc_hash::FxHashMap;
 
 use tally::domain::proto::Action;
-use tally::generate::{Generated, Traffic, TrafficShape};
+use tally_lab::generate::{Generated, Traffic, TrafficShape};
 
-/// Settings of `tally produce`.
+/// Settings of `tally-lab produce`.
 #[derive(Debug, Clone, Args)]
 pub struct ProduceConfig {
     /// Kafka bootstrap servers, comma separated (host:port,...).
@@ -91,8 +95,16 @@ pub struct ProduceConfig {
     pub seed: u64,
 
     /// Extra librdkafka producer setting, repeatable: -X linger.ms=20.
-    #[arg(short = 'X', long = "kafka-config", value_parser = crate::settings::parse_key_value)]
+    #[arg(short = 'X', long = "kafka-config", value_parser = parse_key_value)]
     pub kafka_config: Vec<(String, String)>,
+}
+
+/// A librdkafka setting given as `key=value` (`-X`, `-P`).
+pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("expected key=value, got '{s}'")),
+    }
 }
 
 impl ProduceConfig {
@@ -361,6 +373,11 @@ fn send_events(
 ) -> Result<(u64, Instant)> {
     let mut traffic = Traffic::new(plan.shape.clone(), plan.seed);
     let started = Instant::now();
+    // Event ids are unique across runs as well: this run's start, then a sequence.
+    let run = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut id = String::new();
     let mut sent: u64 = 0;
     while !stop.load(Ordering::Relaxed)
         && plan.events.is_none_or(|n| sent < n)
@@ -381,7 +398,9 @@ fn send_events(
             },
             _ => traffic.next_event(),
         };
-        enqueue(producer, brokers, topic, &event)?;
+        id.clear();
+        write!(id, "{run:x}-{sent:x}").expect("writing to a String cannot fail");
+        enqueue(producer, brokers, topic, &event, &id)?;
         sent += 1;
         if sent.is_multiple_of(1024) {
             producer.poll(Duration::ZERO);
@@ -391,19 +410,25 @@ fn send_events(
     Ok((sent, started))
 }
 
-/// Queues one event, stamped now and keyed by its user, waiting while the
-/// local queue is full.
+/// Queues one event with its `event_id`, stamped now and keyed by its user,
+/// waiting while the local queue is full.
 fn enqueue(
     producer: &BaseProducer<Acks>,
     brokers: &str,
     topic: &str,
     event: &Generated,
+    event_id: &str,
 ) -> Result<()> {
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
-    let payload =
-        tally::pipeline::decode::encode(event.post_id, event.user_id, event.action, now_ms);
+    let payload = tally::pipeline::decode::encode_with_id(
+        event.post_id,
+        event.user_id,
+        event.action,
+        now_ms,
+        event_id,
+    );
     let key = event.user_id.to_be_bytes();
     let mut record = BaseRecord::to(topic).key(&key[..]).payload(&payload[..]);
     loop {
@@ -450,7 +475,7 @@ pub fn write_truth(path: &std::path::Path, truth: &FxHashMap<u64, i64>) -> Resul
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// Runs `tally produce`: sends until --events, --duration-secs or Ctrl-C,
+/// Runs `tally-lab produce`: sends until --events, --duration-secs or Ctrl-C,
 /// writes the truth file, and prints one summary line.
 pub async fn produce(config: ProduceConfig) -> Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
@@ -512,9 +537,19 @@ pub async fn produce(config: ProduceConfig) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        config: ProduceConfig,
+    }
+
     fn parse(args: &[&str]) -> ProduceConfig {
-        crate::settings::parse_flags(args).unwrap()
+        let line = std::iter::once("produce").chain(args.iter().copied());
+        Flags::try_parse_from(line).unwrap().config
     }
 
     #[test]

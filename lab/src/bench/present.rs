@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap;
 
 use tally::domain::layout::{FORMAT, Record, ensure_record, open};
 use tally::domain::routing::{CounterId, KeyLayout};
-use tally::infra::config::{DEFAULT_SLOT_GROUPS, StoreSettings};
+use tally::infra::config::StoreSettings;
 
 /// Keys set per pipeline while seeding.
 const SEED_CHUNK: usize = 10_000;
@@ -55,8 +55,7 @@ pub(super) fn record(
 ) -> Result<()> {
     tokio::task::block_in_place(|| {
         tokio::runtime::Handle::current().block_on(async {
-            let settings = StoreSettings::new(redis_url, None, prefix, DEFAULT_SLOT_GROUPS)
-                .map_err(crate::errors::Problems)?;
+            let settings = crate::local::store(redis_url, prefix)?;
             write_record(&settings, topic, group, buckets).await
         })
     })
