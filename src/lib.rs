@@ -36,7 +36,9 @@
 //!   proto       the generated LikeEvent
 //! infra/      what the service runs on
 //!   config      the settings (StoreSettings, RunSettings, ServeLimits) and their checks
+//!               (store, kafka, kafka_security, run, serve, dedupe)
 //!   store       the parsed Redis URL and its TLS files, connections to one server or a cluster
+//!               (url, replicas, lua, server)
 //!   retry       backoff and the retryable / fatal split of Redis errors
 //!   metrics     every metric name, recorded per batch
 //!   health      readiness state and its background checks
@@ -44,6 +46,7 @@
 //!               the read API's request limits
 //!   security    TLS and SASL settings, certificate and login refusals named; secrets
 //!               redacted; acl_check.lua, the ACL check every writing script starts with
+//!               (kafka, redis_url, tls, secrets)
 //! ops/        operations on stored counts, returning data
 //!   rebuild     recount the topic into a new generation and cut over
 //!   verify      recount in memory and compare

@@ -20,7 +20,7 @@ use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::store::ConnectError;
 use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::TopicError;
-use crate::pipeline::run::RunError;
+use crate::pipeline::run::{RunError, writer_layout};
 use crate::read::ReadError;
 
 /// Why an operation stopped.
@@ -95,10 +95,11 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier, u32
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
-    let proposed = layout::Record::of_writer(settings, 0);
+    let writer = writer_layout(settings);
+    let proposed = layout::Record::of_writer(&writer, 0);
     let epoch0 = match layout::read_record(&opened.store, settings.store.prefix()).await? {
         Some(record) => {
-            layout::check_writer(&opened, settings, &record).await?;
+            layout::check_writer(&opened, &writer, &record).await?;
             record.buckets
         }
         None => proposed.buckets,

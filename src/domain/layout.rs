@@ -57,7 +57,7 @@ use crate::domain::generation;
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{DEFAULT_FIELD, Defaults, read_defaults};
-use crate::infra::config::{DEFAULT_BUCKETS, RunSettings, StoreSettings};
+use crate::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
@@ -148,6 +148,22 @@ pub fn record_key(base: &str) -> String {
     format!("{base}:layout")
 }
 
+/// What a writer's settings say of its prefix's layout: the values its
+/// record holds, with the bucket count left open when no `--buckets` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriterLayout {
+    /// Buckets per post (`--buckets`): version 0's on a new prefix, the
+    /// newest default epoch's on one that exists; `None` takes the record's.
+    pub buckets: Option<u32>,
+    /// Slot groups scripts are split by (1 on a single server; see
+    /// [`slot_groups`]).
+    pub slot_groups: u32,
+    /// The topic counted.
+    pub topic: String,
+    /// The consumer group whose fences the prefix holds.
+    pub group: String,
+}
+
 /// How a prefix was written: what every writer must repeat.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -166,16 +182,15 @@ pub struct Record {
 }
 
 impl Record {
-    /// The record a writer with `settings` would write at `created_at_ms`.
-    /// The record a writer with `settings` would write on a new prefix
+    /// The record `writer` would write on a new prefix at `created_at_ms`
     /// (with no `--buckets`, [`DEFAULT_BUCKETS`]).
-    pub fn of_writer(settings: &RunSettings, created_at_ms: i64) -> Record {
+    pub fn of_writer(writer: &WriterLayout, created_at_ms: i64) -> Record {
         Record {
             format: FORMAT,
-            buckets: settings.buckets.unwrap_or(DEFAULT_BUCKETS),
-            slot_groups: slot_groups(&settings.store).count(),
-            topic: settings.kafka.topic.clone(),
-            group: settings.kafka.group.clone(),
+            buckets: writer.buckets.unwrap_or(DEFAULT_BUCKETS),
+            slot_groups: writer.slot_groups,
+            topic: writer.topic.clone(),
+            group: writer.group.clone(),
             created_at_ms,
         }
     }
@@ -470,19 +485,19 @@ pub async fn current_defaults(
     read_defaults(&registry, entry.as_deref(), record.buckets)
 }
 
-/// Compares a writer's settings with the record in force and the bucket
+/// Compares a writer's layout with the record in force and the bucket
 /// count writers use now. A writer that names no bucket count takes the
 /// current one.
 pub async fn check_writer(
     opened: &OpenStore,
-    settings: &RunSettings,
+    writer: &WriterLayout,
     stored: &Record,
 ) -> Result<(), LayoutError> {
     let defaults = current_defaults(&opened.store, &opened.keys, stored).await?;
     let buckets_now = defaults.latest().buckets;
     let proposed = Record {
-        buckets: settings.buckets.unwrap_or(buckets_now),
-        ..Record::of_writer(settings, stored.created_at_ms)
+        buckets: writer.buckets.unwrap_or(buckets_now),
+        ..Record::of_writer(writer, stored.created_at_ms)
     };
     compare(opened.keys.prefix(), &proposed, stored, buckets_now)?;
     Ok(())
@@ -577,6 +592,29 @@ mod tests {
             group: "tally".into(),
             created_at_ms: 1,
         }
+    }
+
+    #[test]
+    fn a_writer_without_buckets_proposes_the_default() {
+        let writer = WriterLayout {
+            buckets: None,
+            slot_groups: 128,
+            topic: "likes".into(),
+            group: "tally".into(),
+        };
+        let proposed = Record::of_writer(&writer, 1);
+        assert_eq!(
+            proposed,
+            Record {
+                buckets: DEFAULT_BUCKETS,
+                ..record()
+            }
+        );
+        let named = WriterLayout {
+            buckets: Some(16),
+            ..writer
+        };
+        assert_eq!(Record::of_writer(&named, 1), record());
     }
 
     #[test]

@@ -16,6 +16,7 @@ use redis::{ConnectionLike, RedisError, Value};
 
 use crate::domain::slots::SLOTS;
 
+use crate::infra::security::UrlParts;
 use crate::infra::store::{Target, connect_blocking};
 
 /// Buckets per primary under random placement: (mean N/M, σ) of Binomial(N, 1/M).
@@ -136,9 +137,7 @@ impl SlotMap {
 
 /// `host:port` of a single-server URL, without scheme, credentials or database.
 fn host_of(url: &str) -> String {
-    let rest = url.split("://").nth(1).unwrap_or(url);
-    let rest = rest.rsplit('@').next().unwrap_or(rest);
-    rest.split('/').next().unwrap_or(rest).to_string()
+    UrlParts::parse(url).hosts.join(",")
 }
 
 /// The servers to scan: the one server, or every primary of a cluster.

@@ -52,7 +52,7 @@ use tracing::{debug, info, warn};
 use crate::domain::fence::Decision;
 use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::adopt::{self, Survey};
-use crate::domain::layout::{self, LayoutError, OpenStore, Record};
+use crate::domain::layout::{self, LayoutError, OpenStore, Record, WriterLayout};
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, DEFAULT_BUCKETS, KafkaSettings, RunSettings};
@@ -435,7 +435,8 @@ async fn check_layout(
             );
         }
     }
-    let proposed = Record::of_writer(settings, wall_ms());
+    let writer = writer_layout(settings);
+    let proposed = Record::of_writer(&writer, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
         if data {
@@ -458,8 +459,18 @@ async fn check_layout(
             );
         }
     }
-    layout::check_writer(opened, settings, &record).await?;
+    layout::check_writer(opened, &writer, &record).await?;
     Ok(record)
+}
+
+/// The layout a writer with `settings` uses, as its prefix's record holds it.
+pub fn writer_layout(settings: &RunSettings) -> WriterLayout {
+    WriterLayout {
+        buckets: settings.buckets,
+        slot_groups: layout::slot_groups(&settings.store).count(),
+        topic: settings.kafka.topic.clone(),
+        group: settings.kafka.group.clone(),
+    }
 }
 
 /// What an adoption found under the prefix, for its log line.
