@@ -20,10 +20,17 @@
 //! divided by the requests wrk made). The baseline is redis-benchmark
 //! sending `MGET` of the keys a read of the same posts sums, from as many
 //! connections and threads, in the same run; the report gives served / direct.
+//!
+//! Beside each case, how the kernel scheduled `tally serve` during its wrk
+//! run ([`sched`]): whether a high p99 comes with its threads waiting for a
+//! core. `--repeat N` runs the hot-post case N times in a row and lists each
+//! run's rate, p99 and run-queue wait, so an outlier can be set beside its
+//! scheduling.
 
 mod clients;
+mod report;
+mod sched;
 
-use std::fmt::Write as _;
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt as _;
@@ -35,14 +42,15 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rustc_hash::FxHashMap;
 use tally::domain::layout::{self, Record};
-use tally::infra::config::{DEFAULT_SERVE_MAX_CONCURRENT, DEFAULT_SERVE_MAX_IDS};
+use tally::infra::config::DEFAULT_SERVE_MAX_IDS;
 use tally::read::Reader;
 
 use crate::bench::services::RedisSnapshot;
 use crate::binaries::Tally;
 use crate::local::{free_port, start_redis};
-use crate::markdown::{command_line, header, thousands, today_utc, write_between};
+use crate::markdown::{thousands, write_between};
 use clients::{Clients, Load, Programs};
+use sched::{Sched, Snapshot};
 
 /// Settings of `tally-lab bench-reads`.
 #[derive(Debug, Clone, Args)]
@@ -75,6 +83,11 @@ pub struct BenchReadsConfig {
     #[arg(long, default_value_t = 100)]
     pub batch: usize,
 
+    /// Runs of the hot-post case (a), cache on, one after another; the report lists each
+    /// run's req/s, p99 and run-queue wait per request, and its tables show the first.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+
     /// Also write the report into this Markdown file, between its `reads:begin`/`reads:end` markers.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -84,6 +97,9 @@ impl BenchReadsConfig {
     fn validate(&self) -> Result<()> {
         if self.secs == 0 || self.connections == 0 || self.threads == 0 {
             bail!("--secs, --connections and --threads must be at least 1");
+        }
+        if self.repeat == 0 {
+            bail!("--repeat must be at least 1");
         }
         if self.connections < self.threads {
             bail!("--connections must be at least --threads (wrk gives each thread a connection)");
@@ -131,12 +147,26 @@ fn bucket_value(post: u64, bucket: u32) -> i64 {
     }
 }
 
+/// One wrk run against `tally serve`.
+struct Served {
+    load: Load,
+    /// Redis calls by command during the run.
+    calls: Vec<(String, u64)>,
+    /// How the serve's threads were scheduled during the run.
+    sched: Sched,
+}
+
+/// One run of the hot-post case, as `--repeat` lists it.
+#[derive(Clone, Copy)]
+struct Repeat {
+    load: Load,
+    sched: Sched,
+}
+
 /// One measured case.
 struct Case {
     label: String,
-    served: Load,
-    /// Redis calls by command during the wrk run.
-    calls: Vec<(String, u64)>,
+    served: Served,
     /// The direct baseline and the keys its `MGET` reads.
     direct: (Load, String),
 }
@@ -155,6 +185,9 @@ struct Seeded {
 /// What the runs measured.
 struct Run {
     cases: Vec<Case>,
+    /// Every run of the hot-post case, cache on, in order; the first is also
+    /// the case's row.
+    repeats: Vec<Repeat>,
     /// Answers compared with the written totals before the runs.
     checked: usize,
     redis_version: String,
@@ -178,7 +211,7 @@ pub async fn bench_reads(config: BenchReadsConfig, tally: Tally) -> Result<()> {
         tokio::task::spawn_blocking(move || measure(&config, &programs, &tally, &seeded, &dir))
     };
     let run = run.await.context("the measuring thread failed")??;
-    let report = render(&config, &run)?;
+    let report = report::render(&config, &run)?;
     print!("{report}");
     if let Some(path) = &config.out {
         write_between(path, BEGIN, END, &report)?;
@@ -402,18 +435,23 @@ fn verify(serve: &Serve, seeded: &Seeded, config: &BenchReadsConfig) -> Result<u
     Ok(checked)
 }
 
-/// One wrk run on `url` and the Redis calls made while it ran.
+/// One wrk run on `path` of `serve` (or the paths `script` asks for), the
+/// Redis calls made while it ran, and how the serve was scheduled.
 fn served(
     programs: &Programs,
     config: &BenchReadsConfig,
     conn: &mut redis::Connection,
-    url: &str,
+    serve: &Serve,
+    path: &str,
     script: Option<&Path>,
-) -> Result<(Load, Vec<(String, u64)>)> {
-    let before = RedisSnapshot::take(conn)?;
-    let load = clients::wrk(programs, config.clients(), url, script)?;
-    let after = RedisSnapshot::take(conn)?;
-    Ok((load, after.delta(&before)))
+) -> Result<Served> {
+    let pid = serve.child.id();
+    let redis_before = RedisSnapshot::take(conn)?;
+    let sched_before = Snapshot::take(pid)?;
+    let load = clients::wrk(programs, config.clients(), &serve.url(path), script)?;
+    let sched = Snapshot::take(pid)?.since(&sched_before);
+    let calls = RedisSnapshot::take(conn)?.delta(&redis_before);
+    Ok(Served { load, calls, sched })
 }
 
 /// The cases, the baselines, and the check before them.
@@ -438,7 +476,7 @@ fn measure(
     let serve = Serve::start(tally, &seeded.redis_url, dir, "serve", &[])?;
     let checked = verify(&serve, seeded, config)?;
     progress(&format!("{checked} answers equal the written totals"));
-    let mut cases = cached_cases(config, programs, seeded, &serve, &mut conn, dir)?;
+    let (mut cases, repeats) = cached_cases(config, programs, seeded, &serve, &mut conn, dir)?;
     drop(serve);
     progress("starting tally serve --cache-ttl-ms 0");
     let serve = Serve::start(
@@ -453,26 +491,27 @@ fn measure(
         "(a) one hot post, cache off: wrk for {} s",
         config.secs
     ));
-    let url = serve.url(&format!("/v1/posts/{HOT_POST}/likes"));
-    let (load, calls) = served(programs, config, &mut conn, &url, None)?;
+    let path = format!("/v1/posts/{HOT_POST}/likes");
+    let uncached = served(programs, config, &mut conn, &serve, &path, None)?;
     let direct = cases[0].direct.0;
     cases.insert(
         1,
         Case {
             label: "(a) the same, cache off (`--cache-ttl-ms 0`)".into(),
-            served: load,
-            calls,
+            served: uncached,
             direct: (direct, "as (a)".into()),
         },
     );
     Ok(Run {
         cases,
+        repeats,
         checked,
         redis_version,
     })
 }
 
-/// The cases served with the cache on: hot post, Zipf, batch.
+/// The cases served with the cache on: hot post, Zipf, batch; and every
+/// `--repeat` run of the hot post, the first of which is its case.
 fn cached_cases(
     config: &BenchReadsConfig,
     programs: &Programs,
@@ -480,19 +519,23 @@ fn cached_cases(
     serve: &Serve,
     conn: &mut redis::Connection,
     dir: &Path,
-) -> Result<Vec<Case>> {
+) -> Result<(Vec<Case>, Vec<Repeat>)> {
     let clients = config.clients();
     let secs = config.secs;
-    progress(&format!(
-        "(a) one hot post: wrk for {secs} s, then redis-benchmark"
-    ));
-    let url = serve.url(&format!("/v1/posts/{HOT_POST}/likes"));
-    let (load, calls) = served(programs, config, conn, &url, None)?;
+    let runs = hot_runs(config, programs, serve, conn)?;
+    let repeats = runs
+        .iter()
+        .map(|run| Repeat {
+            load: run.load,
+            sched: run.sched,
+        })
+        .collect();
+    let first = runs.into_iter().next().context("no run of the hot post")?;
+    progress("(a) one hot post: redis-benchmark");
     let direct = clients::mget(programs, clients, seeded.redis_port, &seeded.hot_keys)?;
     let hot = Case {
         label: format!("(a) one hot post, {} buckets", config.buckets),
-        served: load,
-        calls,
+        served: first,
         direct: (direct, format!("its {} keys", seeded.hot_keys.len())),
     };
     progress(&format!(
@@ -504,105 +547,68 @@ fn cached_cases(
     let script = dir.join("zipf.lua");
     std::fs::write(&script, clients::weighted_paths_script(&ids, &weights, 42))
         .context("writing the wrk script")?;
-    let (load, calls) = served(programs, config, conn, &serve.url("/"), Some(&script))?;
+    let zipf = served(programs, config, conn, serve, "/", Some(&script))?;
     let zipf = Case {
         label: format!(
             "(b) {} posts, Zipf s = {}, one per request",
             thousands(config.posts),
             config.zipf
         ),
-        served: load,
-        calls,
+        served: zipf,
         direct: (direct, "one post's keys, as (a)".into()),
     };
     progress(&format!(
         "(c) batch of {}: wrk for {secs} s, then redis-benchmark",
         config.batch
     ));
-    let url = serve.url(&batch_path(1..=config.batch as u64));
-    let (load, calls) = served(programs, config, conn, &url, None)?;
+    let batch = served(
+        programs,
+        config,
+        conn,
+        serve,
+        &batch_path(1..=config.batch as u64),
+        None,
+    )?;
     let direct = clients::mget(programs, clients, seeded.redis_port, &seeded.batch_keys)?;
     let batch = Case {
         label: format!(
             "(c) batch: the {} most popular posts per request",
             config.batch
         ),
-        served: load,
-        calls,
+        served: batch,
         direct: (
             direct,
             format!("their {} keys", thousands(seeded.batch_keys.len() as u64)),
         ),
     };
-    Ok(vec![hot, zipf, batch])
+    Ok((vec![hot, zipf, batch], repeats))
 }
 
-fn ms(load: &Load) -> String {
-    format!("{:.2} / {:.2} ms", load.p50_ms, load.p99_ms)
-}
-
-/// The report: what ran where, the table, and the calls behind it.
-fn render(config: &BenchReadsConfig, run: &Run) -> Result<String> {
-    let mut out = String::new();
-    let (t, c, secs) = (config.threads, config.connections, config.secs);
-    header(&mut out, &command_line())?;
-    writeln!(
-        out,
-        "Date: {}. redis-server {} (no persistence) on the same machine; `tally serve` with its \
-         defaults: cache TTL {} ms, at most {} requests at once, one tokio worker per core.  ",
-        today_utc(),
-        run.redis_version,
-        thousands(tally::read::DEFAULT_CACHE_TTL_MS),
-        DEFAULT_SERVE_MAX_CONCURRENT,
-    )?;
-    writeln!(
-        out,
-        "Load: `wrk -t{t} -c{c} -d{secs}s --latency`; direct: `redis-benchmark -c {c} --threads {t} \
-         --csv MGET <keys>` for about {secs} s, in the same run. Before the runs, {} answers \
-         (every post, one by one and in batches) equalled the totals written.\n",
-        thousands(run.checked as u64)
-    )?;
-    writeln!(
-        out,
-        "| case | served req/s | served p50 / p99 | Redis calls / request | direct `MGET` of | direct req/s | direct p50 / p99 | served / direct |"
-    )?;
-    writeln!(out, "|---|---:|---|---:|---|---:|---|---:|")?;
-    for case in &run.cases {
-        let (direct, keys) = &case.direct;
-        let calls: u64 = case.calls.iter().map(|(_, n)| n).sum();
-        writeln!(
-            out,
-            "| {} | {} | {} | {:.5} | {keys} | {} | {} | **{:.2}×** |",
-            case.label,
-            thousands(case.served.rate as u64),
-            ms(&case.served),
-            calls as f64 / case.served.requests.max(1) as f64,
-            thousands(direct.rate as u64),
-            ms(direct),
-            case.served.rate / direct.rate.max(f64::MIN_POSITIVE),
-        )?;
-    }
-    writeln!(
-        out,
-        "\nRedis calls during each wrk run, by command (requests wrk made in brackets):\n"
-    )?;
-    for case in &run.cases {
-        let parts: Vec<String> = case
-            .calls
-            .iter()
-            .map(|(name, n)| format!("{name} {}", thousands(*n)))
-            .collect();
-        let parts = if parts.is_empty() {
-            "none".to_string()
+/// The `--repeat` runs of the hot post, one after another, each reported as
+/// it ends.
+fn hot_runs(
+    config: &BenchReadsConfig,
+    programs: &Programs,
+    serve: &Serve,
+    conn: &mut redis::Connection,
+) -> Result<Vec<Served>> {
+    let path = format!("/v1/posts/{HOT_POST}/likes");
+    let mut runs = Vec::new();
+    for run in 1..=config.repeat {
+        let of = if config.repeat > 1 {
+            format!(" (run {run} of {})", config.repeat)
         } else {
-            parts.join(", ")
+            String::new()
         };
-        writeln!(
-            out,
-            "- {} ({} requests): {parts}",
-            case.label,
-            thousands(case.served.requests)
-        )?;
+        progress(&format!("(a) one hot post{of}: wrk for {} s", config.secs));
+        let hot = served(programs, config, conn, serve, &path, None)?;
+        progress(&format!(
+            "(a){of}: {} req/s, p99 {:.2} ms, run-queue wait {:.2} µs per request",
+            thousands(hot.load.rate as u64),
+            hot.load.p99_ms,
+            hot.sched.wait_per_request_ns(hot.load.requests) / 1e3,
+        ));
+        runs.push(hot);
     }
-    Ok(out)
+    Ok(runs)
 }

@@ -1,0 +1,227 @@
+//! How the kernel scheduled `tally serve` over a load run, read from /proc
+//! before and after it: the time its threads were ready to run but waited
+//! for a core, the timeslices they ran in, and the times they were taken off
+//! a core while they could still run.
+//!
+//! The figures test one explanation of a high p99: that a request waits
+//! because the serve's worker thread sits on a run queue behind the load
+//! generator's threads. A run whose p99 jumps while the run-queue wait per
+//! request stays flat needs another explanation.
+//!
+//! `/proc/PID/schedstat` and the process's `status` describe only its first
+//! thread, so every figure is summed over `/proc/PID/task/*`. A thread that
+//! exits during the run takes its counts with it; the tokio workers, which
+//! serve the requests, live as long as the process.
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rustc_hash::FxHashMap;
+
+/// One thread's counters, as the kernel keeps them since the thread started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Counters {
+    /// Nanoseconds runnable on a run queue, waiting for a core.
+    wait_ns: u64,
+    /// Timeslices run: the times the thread was put on a core.
+    slices: u64,
+    /// Times the thread was taken off a core while it could still run.
+    involuntary: u64,
+}
+
+/// The serve's threads' counters at one instant.
+pub(super) struct Snapshot {
+    at: Instant,
+    threads: FxHashMap<u32, Counters>,
+}
+
+impl Snapshot {
+    /// Reads every thread of process `pid`.
+    pub(super) fn take(pid: u32) -> Result<Snapshot> {
+        let dir = format!("/proc/{pid}/task");
+        let mut threads = FxHashMap::default();
+        for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {dir}"))? {
+            let name = entry?.file_name();
+            let Some(tid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Some(counters) = read_thread(&dir, tid)? {
+                threads.insert(tid, counters);
+            }
+        }
+        if threads.is_empty() {
+            bail!("{dir} lists no threads");
+        }
+        Ok(Snapshot {
+            at: Instant::now(),
+            threads,
+        })
+    }
+
+    /// What the threads did between `before` and this snapshot. A thread
+    /// started in between counts from zero.
+    pub(super) fn since(&self, before: &Snapshot) -> Sched {
+        let mut sched = Sched {
+            wall: self.at.saturating_duration_since(before.at),
+            ..Sched::default()
+        };
+        for (tid, now) in &self.threads {
+            let then = before.threads.get(tid).copied().unwrap_or_default();
+            sched.wait_ns += now.wait_ns.saturating_sub(then.wait_ns);
+            sched.slices += now.slices.saturating_sub(then.slices);
+            sched.involuntary += now.involuntary.saturating_sub(then.involuntary);
+        }
+        sched
+    }
+}
+
+/// One thread's counters, or `None` when it exited while it was being read.
+fn read_thread(dir: &str, tid: u32) -> Result<Option<Counters>> {
+    let read = |file: &str| {
+        let path = format!("{dir}/{tid}/{file}");
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    };
+    let (Some(schedstat), Some(status)) = (read("schedstat")?, read("status")?) else {
+        return Ok(None);
+    };
+    let (wait_ns, slices) = parse_schedstat(&schedstat).with_context(|| {
+        format!("{dir}/{tid}/schedstat is not three numbers: {schedstat:?} (a kernel without CONFIG_SCHED_INFO?)")
+    })?;
+    let involuntary = parse_involuntary(&status)
+        .with_context(|| format!("{dir}/{tid}/status has no nonvoluntary_ctxt_switches"))?;
+    Ok(Some(Counters {
+        wait_ns,
+        slices,
+        involuntary,
+    }))
+}
+
+/// A `schedstat` line, "on-CPU ns, run-queue wait ns, timeslices", as
+/// (wait ns, timeslices).
+fn parse_schedstat(line: &str) -> Option<(u64, u64)> {
+    let mut fields = line.split_whitespace().map(|f| f.parse::<u64>().ok());
+    let (_on_cpu, wait, slices) = (fields.next()??, fields.next()??, fields.next()??);
+    fields.next().is_none().then_some((wait, slices))
+}
+
+/// The `nonvoluntary_ctxt_switches` count of a `status` file.
+fn parse_involuntary(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// How the serve was scheduled over one run, summed over its threads.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Sched {
+    /// Nanoseconds the threads were runnable but waiting for a core.
+    pub wait_ns: u64,
+    /// Timeslices the threads ran.
+    pub slices: u64,
+    /// Involuntary context switches of the threads.
+    pub involuntary: u64,
+    /// The run's wall time, from one snapshot to the other.
+    pub wall: Duration,
+}
+
+impl Sched {
+    /// Run-queue wait per request, nanoseconds.
+    pub(super) fn wait_per_request_ns(&self, requests: u64) -> f64 {
+        self.wait_ns as f64 / requests.max(1) as f64
+    }
+
+    /// Run-queue wait as a share of the wall time; summed over threads, it
+    /// can pass 1.
+    pub(super) fn wait_share(&self) -> f64 {
+        self.wait_ns as f64 / (self.wall.as_nanos().max(1) as f64)
+    }
+
+    /// Mean run-queue wait before a timeslice, nanoseconds.
+    pub(super) fn wait_per_slice_ns(&self) -> f64 {
+        self.wait_ns as f64 / self.slices.max(1) as f64
+    }
+
+    /// Involuntary context switches per 1,000 requests.
+    pub(super) fn involuntary_per_1000(&self, requests: u64) -> f64 {
+        self.involuntary as f64 * 1_000.0 / requests.max(1) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedstat_is_read() {
+        assert_eq!(
+            parse_schedstat("8411702954 3318957 1234\n"),
+            Some((3_318_957, 1_234))
+        );
+        assert_eq!(parse_schedstat("0 0 0"), Some((0, 0)));
+        assert_eq!(parse_schedstat(""), None);
+        assert_eq!(parse_schedstat("1 2"), None);
+        assert_eq!(parse_schedstat("1 2 3 4"), None);
+        assert_eq!(parse_schedstat("1 -2 3"), None);
+        assert_eq!(parse_schedstat("1 2 x"), None);
+    }
+
+    #[test]
+    fn involuntary_switches_are_read_from_status() {
+        let status = "Name:\ttokio-runtime-w\nState:\tS (sleeping)\nTgid:\t4242\n\
+                      voluntary_ctxt_switches:\t150321\n\
+                      nonvoluntary_ctxt_switches:\t2087\n";
+        assert_eq!(parse_involuntary(status), Some(2_087));
+        assert_eq!(parse_involuntary("voluntary_ctxt_switches:\t5\n"), None);
+        assert_eq!(
+            parse_involuntary("nonvoluntary_ctxt_switches:\tmany\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn a_run_is_the_difference_summed_over_threads() {
+        let counters = |wait_ns, slices, involuntary| Counters {
+            wait_ns,
+            slices,
+            involuntary,
+        };
+        let at = Instant::now();
+        let before = Snapshot {
+            at,
+            threads: [(1, counters(100, 10, 1)), (2, counters(1_000, 20, 2))]
+                .into_iter()
+                .collect(),
+        };
+        // Thread 1 exited with its counts, thread 3 started during the run.
+        let after = Snapshot {
+            at: at + Duration::from_secs(2),
+            threads: [(2, counters(3_000, 30, 5)), (3, counters(500, 5, 1))]
+                .into_iter()
+                .collect(),
+        };
+        let sched = after.since(&before);
+        assert_eq!(
+            (sched.wait_ns, sched.slices, sched.involuntary),
+            (2_500, 15, 4)
+        );
+        assert_eq!(sched.wall, Duration::from_secs(2));
+        assert_eq!(sched.wait_per_request_ns(10), 250.0);
+        assert_eq!(sched.wait_per_slice_ns(), 2_500.0 / 15.0);
+        assert_eq!(sched.wait_share(), 2_500.0 / 2e9);
+        assert_eq!(sched.involuntary_per_1000(2_000), 2.0);
+    }
+
+    #[test]
+    fn this_process_can_be_read() {
+        let snapshot = Snapshot::take(std::process::id()).unwrap();
+        assert!(snapshot.threads.values().any(|c| c.slices > 0));
+    }
+}
