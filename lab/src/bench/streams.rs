@@ -56,6 +56,43 @@ pub(super) const PATIENCE: Duration = Duration::from_secs(180);
 /// How long a followed consumer may commit nothing new before the benchmark gives up.
 const STALL: Duration = Duration::from_secs(180);
 
+/// Watches a consumer's committed progress: fails when its process has exited, or when
+/// nothing more was committed for [`STALL`].
+struct Stall<'a> {
+    what: &'a str,
+    total: u64,
+    last: u64,
+    last_progress: Instant,
+}
+
+impl<'a> Stall<'a> {
+    fn new(what: &'a str, total: u64) -> Self {
+        Stall {
+            what,
+            total,
+            last: u64::MAX,
+            last_progress: Instant::now(),
+        }
+    }
+
+    fn check(&mut self, done: u64, child: &mut Child) -> Result<()> {
+        let (what, total) = (self.what, self.total);
+        if done != self.last {
+            (self.last_progress, self.last) = (Instant::now(), done);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            bail!("{what} exited ({status}) at {done} of {total} events");
+        }
+        if self.last_progress.elapsed() > STALL {
+            bail!(
+                "{what} committed nothing for {} s at {done} of {total} events",
+                STALL.as_secs()
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The built peer: the directory `ensure_streams_peer` fills, whose `lib/` holds its jars.
 #[derive(Debug, Clone)]
 pub(super) struct Peer {
@@ -324,7 +361,7 @@ impl GroupWatch {
     ) -> Result<(Option<First>, Instant)> {
         let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
         let mut first: Option<First> = None;
-        let (mut last_progress, mut last) = (Instant::now(), u64::MAX);
+        let mut watch = Stall::new(what, total);
         loop {
             let done = self.progress(marks)?;
             let now = Instant::now();
@@ -341,18 +378,7 @@ impl GroupWatch {
                     return Ok((first, now));
                 }
             }
-            if done != last {
-                (last_progress, last) = (now, done);
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                bail!("{what} exited ({status}) at {done} of {total} events");
-            }
-            if last_progress.elapsed() > STALL {
-                bail!(
-                    "{what} committed nothing for {} s at {done} of {total} events",
-                    STALL.as_secs()
-                );
-            }
+            watch.check(done, child)?;
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -360,25 +386,13 @@ impl GroupWatch {
     /// Polls until the group has committed at least half of the input; returns what it had.
     pub fn until_half(&self, marks: &[(i64, i64)], child: &mut Child, what: &str) -> Result<u64> {
         let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
-        let (mut last_progress, mut last) = (Instant::now(), u64::MAX);
+        let mut watch = Stall::new(what, total);
         loop {
             let done = self.progress(marks)?;
             if done * 2 >= total {
                 return Ok(done);
             }
-            let now = Instant::now();
-            if done != last {
-                (last_progress, last) = (now, done);
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                bail!("{what} exited ({status}) at {done} of {total} events");
-            }
-            if last_progress.elapsed() > STALL {
-                bail!(
-                    "{what} committed nothing for {} s at {done} of {total} events",
-                    STALL.as_secs()
-                );
-            }
+            watch.check(done, child)?;
             std::thread::sleep(Duration::from_millis(10));
         }
     }
