@@ -220,6 +220,39 @@ impl Env {
             valkey: None,
         }
     }
+
+    /// Starts `tally run` on `topic` with this run's services and Kafka settings, under
+    /// `group` and `prefix`, serving metrics on `metrics`, with `args` added; its log goes
+    /// to `log`.
+    fn spawn_tally_run(
+        &self,
+        names: [&str; 3],
+        metrics: std::net::SocketAddr,
+        args: &[String],
+        log: std::fs::File,
+    ) -> Result<std::process::Child> {
+        let [topic, group, prefix] = names;
+        self.tally
+            .command()
+            .arg("run")
+            .args([
+                "--brokers",
+                &self.brokers,
+                "--topic",
+                topic,
+                "--group",
+                group,
+            ])
+            .args(["--redis", &self.redis, "--prefix", prefix])
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(&self.kafka_args)
+            .args(args)
+            .env("TALLY_LOG", "info,rdkafka=warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting tally run")
+    }
 }
 
 /// What one consumer achieved on one workload.

@@ -26,7 +26,7 @@
 
 use std::fs::File;
 use std::net::SocketAddr;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
@@ -224,27 +224,12 @@ impl Member {
     fn start(env: &Env, topic: &str, index: u32) -> Result<Self> {
         let log = env.dir.join(format!("{topic}-{index}.log"));
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        let child = env
-            .tally
-            .command()
-            .arg("run")
-            .args([
-                "--brokers",
-                &env.brokers,
-                "--topic",
-                topic,
-                "--group",
-                topic,
-            ])
-            .args(["--redis", &env.redis, "--prefix", topic])
-            .args(["--metrics-addr", &metrics.to_string()])
-            .args(&env.kafka_args)
-            .args(&env.tally_args)
-            .env("TALLY_LOG", "info,rdkafka=warn")
-            .stdout(Stdio::null())
-            .stderr(File::create(&log)?)
-            .spawn()
-            .context("starting tally run")?;
+        let child = env.spawn_tally_run(
+            [topic, topic, topic],
+            metrics,
+            &env.tally_args,
+            File::create(&log)?,
+        )?;
         Ok(Self {
             pid: child.id().to_string(),
             child,

@@ -12,12 +12,12 @@
 use std::fs::File;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use rustc_hash::FxHashMap;
 
 use super::services::{
@@ -284,27 +284,7 @@ impl TallyRun {
     ) -> Result<Self> {
         let log = File::create(log_path)?;
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        let child = env
-            .tally
-            .command()
-            .arg("run")
-            .args([
-                "--brokers",
-                &env.brokers,
-                "--topic",
-                topic,
-                "--group",
-                group,
-            ])
-            .args(["--redis", &env.redis, "--prefix", prefix])
-            .args(["--metrics-addr", &metrics.to_string()])
-            .args(&env.kafka_args)
-            .args(args)
-            .env("TALLY_LOG", "info,rdkafka=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting tally run")?;
+        let child = env.spawn_tally_run([topic, group, prefix], metrics, args, log)?;
         let pid = child.id().to_string();
         Ok(Self {
             child,
