@@ -31,8 +31,8 @@ use std::path::PathBuf;
 use crate::infra::security::read_secret_file;
 
 pub use kafka::{
-    DEFAULT_BROKERS, DEFAULT_GROUP, DEFAULT_TOPIC, GroupProtocol, KafkaSettings,
-    kafka_client_config,
+    DEFAULT_BROKERS, DEFAULT_GROUP, DEFAULT_TOPIC, FETCH_SETTINGS, GroupProtocol, KafkaSettings,
+    kafka_client_config, with_fetch_settings,
 };
 pub use kafka_security::{KafkaSecurity, KafkaSecurityInput};
 pub use run::{

@@ -40,7 +40,7 @@ use rustc_hash::FxHashMap;
 
 use crate::domain::placement::scan;
 use crate::domain::routing::KeyLayout;
-use crate::infra::config::RunSettings;
+use crate::infra::config::{RunSettings, with_fetch_settings};
 use crate::infra::store::Target;
 use crate::ops::{OpError, open_applier};
 use crate::pipeline::apply::Applier;
@@ -261,8 +261,8 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
     );
     let (current, layout) = reader.layout().await?;
     let applier = applier.with_keys(layout.clone());
-    let consumer: BaseConsumer = kafka
-        .secure_client_config()
+    let mut config = kafka.secure_client_config();
+    let consumer: BaseConsumer = with_fetch_settings(&mut config)
         .set("enable.partition.eof", "false")
         .set("enable.auto.commit", "false")
         // A position retention deleted is an error to report, never a jump

@@ -21,7 +21,9 @@ use rustc_hash::FxHashMap;
 use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn};
 use super::{BaselineArgs, Env, Measured, check_sample};
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
-use tally::infra::config::{DEFAULT_BUCKETS, StoreSettings};
+use tally::infra::config::{
+    DEFAULT_BUCKETS, StoreSettings, kafka_client_config, with_fetch_settings,
+};
 
 /// Messages a naive consumer handles per poll: the Java client's `max.poll.records` default.
 pub const NAIVE_POLL_BATCH: usize = 500;
@@ -60,13 +62,18 @@ async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<(
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
     let store = crate::local::store(&config.redis, &config.prefix)?;
-    let consumer: StreamConsumer =
-        tally::infra::config::kafka_client_config(&config.brokers, &config.kafka_config)
-            .set("group.id", &config.group)
-            .set("auto.offset.reset", "earliest")
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "false")
-            .create()?;
+    // tally's fetch settings, then the -X ones, as `tally run` takes them.
+    let mut client = kafka_client_config(&config.brokers, &[]);
+    with_fetch_settings(&mut client);
+    for (key, value) in &config.kafka_config {
+        client.set(key, value);
+    }
+    let consumer: StreamConsumer = client
+        .set("group.id", &config.group)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()?;
     consumer.subscribe(&[&config.topic])?;
     let mut redis = match kind {
         Baseline::Raw => None,
