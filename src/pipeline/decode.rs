@@ -3,8 +3,9 @@
 //! Invariant: decoding is deterministic. The same bytes always give the same
 //! verdict, so a bad message is bad forever: redelivery cannot fix it, and the
 //! caller may count it, dead-letter it and move on without stalling the partition.
-//! Decoding allocates only for an event id, which is hashed at once into an
-//! [`EventId`] so that what follows stays of fixed size.
+//! Decoding allocates nothing per value: each is decoded into a per-thread
+//! event whose `event_id` keeps its capacity, and the id is hashed at once
+//! into an [`EventId`] so that what follows stays of fixed size.
 //!
 //! # Two forms of a value
 //! - Plain protobuf: the bytes of one `LikeEvent`.
@@ -27,6 +28,12 @@
 use prost::Message as _;
 
 use crate::domain::proto::{Action, LikeEvent};
+
+thread_local! {
+    /// The event each value is decoded into, cleared first: the `event_id`
+    /// string keeps its capacity from one value to the next.
+    static SCRATCH: std::cell::RefCell<LikeEvent> = std::cell::RefCell::new(LikeEvent::default());
+}
 
 /// The magic byte that opens a Schema Registry framed value.
 pub const MAGIC_BYTE: u8 = 0;
@@ -199,9 +206,12 @@ impl Decoder {
             Some((&MAGIC_BYTE, framed)) => self.unframe(framed)?,
             _ => bytes,
         };
-        let event = LikeEvent::decode(protobuf).map_err(|_| BadReason::Undecodable)?;
-        let id = (!event.event_id.is_empty()).then(|| EventId::of(event.event_id.as_bytes()));
-        Ok((validate(event)?, id))
+        SCRATCH.with_borrow_mut(|event| {
+            event.clear();
+            event.merge(protobuf).map_err(|_| BadReason::Undecodable)?;
+            let id = (!event.event_id.is_empty()).then(|| EventId::of(event.event_id.as_bytes()));
+            Ok((validate(event)?, id))
+        })
     }
 
     /// The protobuf after the magic byte, the schema id and the message-index
@@ -243,7 +253,7 @@ fn read_zigzag(bytes: &mut &[u8]) -> Result<i64, BadReason> {
 }
 
 /// The like a decoded event is, or why it is none.
-fn validate(event: LikeEvent) -> Result<Like, BadReason> {
+fn validate(event: &LikeEvent) -> Result<Like, BadReason> {
     let delta = match Action::try_from(event.action) {
         Ok(Action::Like) => 1,
         Ok(Action::Unlike) => -1,

@@ -39,10 +39,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use rdkafka::Message;
 use rdkafka::consumer::Consumer;
+use rdkafka::error::KafkaResult;
+use rdkafka::message::BorrowedMessage;
 use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::Offset;
 use tokio::task::JoinHandle;
@@ -191,6 +193,11 @@ impl Following {
 /// How often a caught-up partition probes its fences, and how often a slot
 /// group without events gets an empty script to keep its fence recent.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Messages taken from what librdkafka already holds, one after another,
+/// before the main loop looks at its other work: the loop's polling of its
+/// timers and tasks is paid once per run of messages rather than per message.
+const DRAIN_AT_MOST: usize = 512;
 
 /// How long the run waits for a partition's watermarks when a fetched offset
 /// lies below its fence.
@@ -557,7 +564,7 @@ struct Pipeline {
     settings: RunSettings,
     limits: Limits,
     flush_after: Duration,
-    consumer: LikeConsumer,
+    consumer: Arc<LikeConsumer>,
     applier: Applier,
     routes: Routes,
     watch: RouteWatch,
@@ -612,7 +619,7 @@ impl Pipeline {
             committer: Committer::new(&settings.kafka.topic),
             decoder: Decoder::new(&settings.schema_ids),
             settings,
-            consumer,
+            consumer: Arc::new(consumer),
             applier,
             routes,
             table: watch.current(),
@@ -638,6 +645,8 @@ impl Pipeline {
         let tick_every = (self.flush_after / 4).max(Duration::from_millis(5));
         let mut tick = tokio::time::interval(tick_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Messages borrow the consumer, not the pipeline they are added to.
+        let consumer = Arc::clone(&self.consumer);
         loop {
             self.apply_rebalances();
             tokio::select! {
@@ -647,34 +656,18 @@ impl Pipeline {
                     self.finish(joined)?;
                     self.dispatch_ready(false);
                 }
-                received = self.consumer.recv(), if !self.blocked => {
-                    match received {
-                        Ok(message) => {
-                            let partition = message.partition();
-                            let timestamp = message.timestamp().to_millis().unwrap_or(0);
-                            let offset = message.offset();
-                            if self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
-                                let cluster = self.applier.keys().groups().is_cluster();
-                                self.table = self.watch.route_for(partition, offset, timestamp, cluster).await;
-                            }
-                            let changes = self.consumer.context().take_changes();
-                            let groups = self.applier.keys().groups().count() as usize;
-                            if intake::apply_changes(&mut self.owned, &mut self.committer, &mut self.epochs, groups, changes, self.settings.dedupe) {
-                                self.blocked = false;
-                            }
-
-                            let intake = intake::accept(&mut self.owned, self.applier.keys().groups(), &message, timestamp, &self.table, &self.decoder, self.dead_letters.as_deref());
-                            drop(message);
-                            match intake {
-                                Intake::Taken => self.after_accept(partition),
-                                Intake::BelowFence => self.check_log(partition),
-                                Intake::Dropped => {}
-                            }
+                received = consumer.recv(), if !self.blocked => {
+                    self.received(received).await?;
+                    // What librdkafka already holds is taken before the other
+                    // arms are polled again, up to a bound that keeps the
+                    // flush ticks and finished batches timely.
+                    for _ in 1..DRAIN_AT_MOST {
+                        if self.blocked {
+                            break;
                         }
-                        Err(error) => {
-                            self.stop_if_fatal()?;
-                            self.stop_if_denied(&error)?;
-                            warn!(%error, "Kafka consumer error.");
+                        match consumer.recv().now_or_never() {
+                            Some(received) => self.received(received).await?,
+                            None => break,
                         }
                     }
                 }
@@ -693,6 +686,51 @@ impl Pipeline {
                 }
             }
         }
+    }
+
+    /// Takes one message, or one consumer error, from the consumer.
+    async fn received(
+        &mut self,
+        received: KafkaResult<BorrowedMessage<'_>>,
+    ) -> Result<(), RunError> {
+        let message = match received {
+            Ok(message) => message,
+            Err(error) => {
+                self.stop_if_fatal()?;
+                self.stop_if_denied(&error)?;
+                warn!(%error, "Kafka consumer error.");
+                return Ok(());
+            }
+        };
+        let partition = message.partition();
+        let timestamp = message.timestamp().to_millis().unwrap_or(0);
+        let offset = message.offset();
+        if self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
+            let cluster = self.applier.keys().groups().is_cluster();
+            self.table = self
+                .watch
+                .route_for(partition, offset, timestamp, cluster)
+                .await;
+        }
+        // Ownership changes queued while polling take effect before the
+        // message is looked at.
+        self.apply_rebalances();
+        let intake = intake::accept(
+            &mut self.owned,
+            self.applier.keys().groups(),
+            &message,
+            timestamp,
+            &self.table,
+            &self.decoder,
+            self.dead_letters.as_deref(),
+        );
+        drop(message);
+        match intake {
+            Intake::Taken => self.after_accept(partition),
+            Intake::BelowFence => self.check_log(partition),
+            Intake::Dropped => {}
+        }
+        Ok(())
     }
 
     /// Sets each owned partition's lag in seconds.
@@ -760,7 +798,7 @@ impl Pipeline {
         let topic = &self.settings.kafka.topic;
         // One bounded query, only ever after librdkafka reset a position.
         let marks = tokio::task::block_in_place(|| {
-            guard::watermarks(&self.consumer, topic, partition, LOG_TIMEOUT)
+            guard::watermarks(self.consumer.as_ref(), topic, partition, LOG_TIMEOUT)
         });
         let Some((low, high)) = marks else { return };
         let guard::LogFit::Ahead { high } = guard::fit(next, low, high) else {
