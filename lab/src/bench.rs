@@ -110,7 +110,8 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 20)]
     pub latency_secs: u64,
 
-    /// Rate of the latency phase, as a fraction of tally's measured Zipf rate.
+    /// Rate of the latency phase, as a fraction of the maximum rate: the lower of tally's
+    /// measured Zipf rate and the rate the producer wrote the Zipf backlog at.
     #[arg(long, default_value_t = 0.5)]
     pub latency_load: f64,
 
@@ -432,6 +433,7 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
         rate: None,
         load: config.latency_load,
         secs: config.latency_secs,
+        producer_rate: None,
     };
     let title = format!(
         "Zipf: s = {} over {} posts",
@@ -581,7 +583,10 @@ fn workload(
         config.partitions,
         &mut truth,
         shape,
-        latency,
+        &LatencyPlan {
+            producer_rate: Some(produce_rate),
+            ..*latency
+        },
     )?;
     let fleet = match tally.latency {
         Some(l) => fleet::measure(env, name, shape, l.target_rate, config.latency_secs)?,

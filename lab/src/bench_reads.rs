@@ -50,7 +50,10 @@ use crate::binaries::Tally;
 use crate::local::{free_port, start_redis};
 use crate::markdown::{thousands, write_between};
 use clients::{Clients, Load, Programs};
-use sched::{Sched, Snapshot};
+use sched::{Sched, Settled, Snapshot};
+
+/// The longest wait for a quiet machine before the runs ([`sched::settle`]).
+const SETTLE_AT_MOST: Duration = Duration::from_secs(60);
 
 /// Settings of `tally-lab bench-reads`.
 #[derive(Debug, Clone, Args)]
@@ -190,6 +193,8 @@ struct Run {
     repeats: Vec<Repeat>,
     /// Answers compared with the written totals before the runs.
     checked: usize,
+    /// How the machine settled before the runs.
+    settled: Settled,
     redis_version: String,
 }
 
@@ -476,6 +481,8 @@ fn measure(
     let serve = Serve::start(tally, &seeded.redis_url, dir, "serve", &[])?;
     let checked = verify(&serve, seeded, config)?;
     progress(&format!("{checked} answers equal the written totals"));
+    progress("waiting for the machine's I/O and memory pressure to settle");
+    let settled = sched::settle(SETTLE_AT_MOST);
     let (mut cases, repeats) = cached_cases(config, programs, seeded, &serve, &mut conn, dir)?;
     drop(serve);
     progress("starting tally serve --cache-ttl-ms 0");
@@ -506,6 +513,7 @@ fn measure(
         cases,
         repeats,
         checked,
+        settled,
         redis_version,
     })
 }

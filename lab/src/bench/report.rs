@@ -310,10 +310,12 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
     if let Some(l) = o.tally.latency {
         writeln!(
             out,
-            "Latency: {} marker likes over {} s while producing at a target of {} events/s.",
+            "Latency: {} marker likes over {} s while producing at a target of {} events/s \
+             ({} × the lower of tally's Zipf backlog rate and the producer's Zipf backlog rate).",
             l.samples,
             config.latency_secs,
-            thousands(l.target_rate)
+            thousands(l.target_rate),
+            config.latency_load
         )?;
     }
     if !o.tally.stages.is_empty() {

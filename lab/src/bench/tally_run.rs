@@ -178,8 +178,7 @@ pub(super) fn measure(
     let mut measured = tally.backlog_figures(&before, &after, total, times);
     let rate = latency
         .rate
-        .unwrap_or((measured.rate() * latency.load) as u64)
-        .max(1);
+        .unwrap_or_else(|| latency.rate_for(measured.rate()));
     let stages_before = stages::scrape(tally.metrics);
     let phase = latency_phase(env, topic, &prefix, shape, rate, latency.secs, truth);
     let figures = tally.or_stop(phase)?;
@@ -353,12 +352,26 @@ impl TallyRun {
 /// How the latency phase runs.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LatencyPlan {
-    /// Events/s; `None`: `load` times tally's measured rate.
+    /// Events/s; `None`: `load` times the maximum rate ([`LatencyPlan::rate_for`]).
     pub rate: Option<u64>,
-    /// Fraction of tally's measured rate, when `rate` is `None`.
+    /// Fraction of the maximum rate, when `rate` is `None`.
     pub load: f64,
     /// Length of the phase.
     pub secs: u64,
+    /// The rate the producer wrote the backlog at, when known.
+    pub producer_rate: Option<f64>,
+}
+
+impl LatencyPlan {
+    /// `load` times the maximum rate this machine carries end to end: tally
+    /// reads no faster than its backlog rate, and the one producer thread,
+    /// on the same cores, writes no faster than it wrote the backlog.
+    pub fn rate_for(&self, tally_rate: f64) -> u64 {
+        let ceiling = self
+            .producer_rate
+            .map_or(tally_rate, |producer| producer.min(tally_rate));
+        ((ceiling * self.load) as u64).max(1)
+    }
 }
 
 /// The buckets per post the measured `tally run` writes: its `--buckets` argument, if given.

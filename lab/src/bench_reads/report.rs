@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use anyhow::Result;
 
 use super::clients::Load;
+use super::sched::{QUIET_PERCENT, Sched};
 use super::{BenchReadsConfig, Repeat, Run};
 use crate::markdown::{command_line, header, thousands, today_utc};
 
@@ -30,6 +31,19 @@ pub(super) fn render(config: &BenchReadsConfig, run: &Run) -> Result<String> {
          --csv MGET <keys>` for about {secs} s, in the same run. Before the runs, {} answers \
          (every post, one by one and in batches) equalled the totals written.\n",
         thousands(run.checked as u64)
+    )?;
+    let settled = &run.settled;
+    writeln!(
+        out,
+        "Before the first run the benchmark waited {:.1} s for the machine's I/O and memory \
+         pressure (`/proc/pressure/*`, \"some\" avg10) to fall under {} %: they were {:.1} % and \
+         {:.1} % when it began, {:.1} % and {:.1} % when it ended.\n",
+        settled.waited.as_secs_f64(),
+        QUIET_PERCENT,
+        settled.io_before,
+        settled.memory_before,
+        settled.io_after,
+        settled.memory_after,
     )?;
     served_table(&mut out, run)?;
     sched_table(&mut out, run)?;
@@ -85,24 +99,27 @@ fn sched_table(out: &mut String, run: &Run) -> std::fmt::Result {
          run's wall time (summed over threads, so it can pass 100 %); **per timeslice** is that \
          wait divided by the times a thread was put on a core; **involuntary switches** are the \
          times a thread was taken off a core while it could still run. If a high p99 comes from \
-         the serve waiting for a core, its run shows a higher wait here.\n"
+         the serve waiting for a core, its run shows a higher wait here. **Machine stall** is the \
+         time at least one task of the whole machine was stalled waiting for a core, for memory \
+         (reclaim) or for I/O during the run (`/proc/pressure/*`, the \"some\" totals).\n"
     )?;
     writeln!(
         out,
-        "| case | served p99 | run-queue wait / request | run-queue wait / wall time | wait / timeslice | involuntary switches / 1,000 requests |"
+        "| case | served p99 | run-queue wait / request | run-queue wait / wall time | wait / timeslice | involuntary switches / 1,000 requests | machine stall: CPU / memory / I/O |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
     for case in &run.cases {
         let (load, sched) = (&case.served.load, &case.served.sched);
         writeln!(
             out,
-            "| {} | {:.2} ms | {} | {:.1} % | {} | {:.1} |",
+            "| {} | {:.2} ms | {} | {:.1} % | {} | {:.1} | {} |",
             case.label,
             load.p99_ms,
             us(sched.wait_per_request_ns(load.requests)),
             sched.wait_share() * 100.0,
             us(sched.wait_per_slice_ns()),
             sched.involuntary_per_1000(load.requests),
+            stall(sched),
         )?;
     }
     Ok(())
@@ -120,20 +137,32 @@ fn repeats(out: &mut String, run: &Run) -> std::fmt::Result {
     )?;
     writeln!(
         out,
-        "| run | served req/s | served p99 | run-queue wait / request |"
+        "| run | served req/s | served p99 | run-queue wait / request | machine stall: CPU / memory / I/O |"
     )?;
-    writeln!(out, "|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---:|---:|---:|---:|")?;
     for (i, Repeat { load, sched }) in run.repeats.iter().enumerate() {
         writeln!(
             out,
-            "| {} | {} | {:.2} ms | {} |",
+            "| {} | {} | {:.2} ms | {} | {} |",
             i + 1,
             thousands(load.rate as u64),
             load.p99_ms,
-            us(sched.wait_per_request_ns(load.requests))
+            us(sched.wait_per_request_ns(load.requests)),
+            stall(sched),
         )?;
     }
     Ok(())
+}
+
+/// The machine's stall times over a run, in milliseconds.
+fn stall(sched: &Sched) -> String {
+    let ms = |us: u64| format!("{:.0}", us as f64 / 1e3);
+    format!(
+        "{} / {} / {} ms",
+        ms(sched.stall.cpu_us),
+        ms(sched.stall.memory_us),
+        ms(sched.stall.io_us)
+    )
 }
 
 fn calls(out: &mut String, run: &Run) -> std::fmt::Result {
@@ -167,7 +196,7 @@ fn calls(out: &mut String, run: &Run) -> std::fmt::Result {
 mod tests {
     use std::time::Duration;
 
-    use super::super::sched::Sched;
+    use super::super::sched::{Settled, Stall};
     use super::super::{Case, Served};
     use super::*;
 
@@ -200,6 +229,11 @@ mod tests {
             slices: 100_000,
             involuntary: 2_000,
             wall: Duration::from_secs(10),
+            stall: Stall {
+                cpu_us: 1_500_000,
+                memory_us: 0,
+                io_us: wait_ms * 10,
+            },
         }
     }
 
@@ -217,6 +251,13 @@ mod tests {
             }],
             repeats,
             checked: 1_011,
+            settled: Settled {
+                waited: Duration::from_millis(12_500),
+                io_before: 41.5,
+                memory_before: 0.0,
+                io_after: 0.9,
+                memory_after: 0.0,
+            },
             redis_version: "7.0.15".into(),
         }
     }
@@ -244,7 +285,7 @@ mod tests {
         tables_are_whole(&report);
         // 3.5 s of wait over 700,000 requests and 10 s; 100,000 slices; 2,000 switches.
         assert!(report.contains(
-            "| (a) one hot post, 16 buckets | 1.36 ms | 5.00 µs | 35.0 % | 35 µs | 2.9 |"
+            "| (a) one hot post, 16 buckets | 1.36 ms | 5.00 µs | 35.0 % | 35 µs | 2.9 | 1500 / 0 / 35 ms |"
         ));
         assert!(!report.contains("run 1 of"), "{report}");
         assert!(!report.contains("| run |"), "{report}");
@@ -265,7 +306,7 @@ mod tests {
         assert!(report.contains("run 2 times in a row"));
         assert!(
             report
-                .contains("| 1 | 70,000 | 1.36 ms | 5.00 µs |\n| 2 | 60,000 | 10.40 ms | 35 µs |")
+                .contains("| 1 | 70,000 | 1.36 ms | 5.00 µs | 1500 / 0 / 35 ms |\n| 2 | 60,000 | 10.40 ms | 35 µs | 1500 / 0 / 210 ms |")
         );
     }
 }

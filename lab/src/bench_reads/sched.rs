@@ -8,6 +8,14 @@
 //! generator's threads. A run whose p99 jumps while the run-queue wait per
 //! request stays flat needs another explanation.
 //!
+//! Beside them, the machine's pressure stall counts (`/proc/pressure/cpu`,
+//! `memory` and `io`, the "some" line): how long at least one task of the
+//! whole machine was stalled on a core, on memory reclaim, or on I/O during
+//! the run. A tail that comes with the serve's own wait flat but the
+//! machine stalled on memory or I/O points at what else the machine was
+//! doing (the page cache a stopped broker leaves behind, written back and
+//! reclaimed), not at the serve.
+//!
 //! `/proc/PID/schedstat` and the process's `status` describe only its first
 //! thread, so every figure is summed over `/proc/PID/task/*`. A thread that
 //! exits during the run takes its counts with it; the tokio workers, which
@@ -34,6 +42,95 @@ struct Counters {
 pub(super) struct Snapshot {
     at: Instant,
     threads: FxHashMap<u32, Counters>,
+    stall: Stall,
+}
+
+/// The machine's pressure stall totals, microseconds: the time at least one
+/// task waited for a core, for memory, for I/O. Zero where the kernel keeps
+/// no pressure counts (built without CONFIG_PSI).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Stall {
+    pub cpu_us: u64,
+    pub memory_us: u64,
+    pub io_us: u64,
+}
+
+impl Stall {
+    fn read() -> Stall {
+        let some = |resource: &str| {
+            std::fs::read_to_string(format!("/proc/pressure/{resource}"))
+                .ok()
+                .and_then(|text| parse_pressure(&text, "total"))
+                .unwrap_or(0)
+        };
+        Stall {
+            cpu_us: some("cpu"),
+            memory_us: some("memory"),
+            io_us: some("io"),
+        }
+    }
+
+    fn since(&self, before: &Stall) -> Stall {
+        Stall {
+            cpu_us: self.cpu_us.saturating_sub(before.cpu_us),
+            memory_us: self.memory_us.saturating_sub(before.memory_us),
+            io_us: self.io_us.saturating_sub(before.io_us),
+        }
+    }
+}
+
+/// How the machine settled before the runs: its I/O and memory pressure
+/// (the "some" avg10, per cent) when the wait began and when it ended.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Settled {
+    pub waited: Duration,
+    pub io_before: f64,
+    pub memory_before: f64,
+    pub io_after: f64,
+    pub memory_after: f64,
+}
+
+/// I/O or memory pressure (avg10, per cent) under which the machine counts
+/// as quiet.
+pub(super) const QUIET_PERCENT: f64 = 1.0;
+
+/// Waits, up to `limit`, until the machine's I/O and memory pressure both
+/// fall under [`QUIET_PERCENT`]: a process that stopped just before (a
+/// broker whose page cache is written back and reclaimed) stalls whatever
+/// runs next. Without pressure counts it returns at once.
+pub(super) fn settle(limit: Duration) -> Settled {
+    let avg10 = |resource: &str| {
+        std::fs::read_to_string(format!("/proc/pressure/{resource}"))
+            .ok()
+            .and_then(|text| parse_pressure(&text, "avg10"))
+    };
+    let started = Instant::now();
+    let (io_before, memory_before) = (avg10("io"), avg10("memory"));
+    let (mut io, mut memory) = (io_before, memory_before);
+    while started.elapsed() < limit
+        && (io.unwrap_or(0.0) >= QUIET_PERCENT || memory.unwrap_or(0.0) >= QUIET_PERCENT)
+    {
+        std::thread::sleep(Duration::from_millis(500));
+        (io, memory) = (avg10("io"), avg10("memory"));
+    }
+    Settled {
+        waited: started.elapsed(),
+        io_before: io_before.unwrap_or(0.0),
+        memory_before: memory_before.unwrap_or(0.0),
+        io_after: io.unwrap_or(0.0),
+        memory_after: memory.unwrap_or(0.0),
+    }
+}
+
+/// One field of a pressure file's "some" line: `total` (microseconds) or
+/// `avg10` (per cent).
+fn parse_pressure<T: std::str::FromStr>(text: &str, field: &str) -> Option<T> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("some "))?
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix(field)?.strip_prefix('='))?
+        .parse()
+        .ok()
 }
 
 impl Snapshot {
@@ -56,6 +153,7 @@ impl Snapshot {
         Ok(Snapshot {
             at: Instant::now(),
             threads,
+            stall: Stall::read(),
         })
     }
 
@@ -64,6 +162,7 @@ impl Snapshot {
     pub(super) fn since(&self, before: &Snapshot) -> Sched {
         let mut sched = Sched {
             wall: self.at.saturating_duration_since(before.at),
+            stall: self.stall.since(&before.stall),
             ..Sched::default()
         };
         for (tid, now) in &self.threads {
@@ -130,6 +229,8 @@ pub(super) struct Sched {
     pub involuntary: u64,
     /// The run's wall time, from one snapshot to the other.
     pub wall: Duration,
+    /// How long the machine was stalled meanwhile.
+    pub stall: Stall,
 }
 
 impl Sched {
@@ -158,6 +259,18 @@ impl Sched {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pressure_totals_are_read_from_the_some_line() {
+        let text = "some avg10=18.73 avg60=9.04 avg300=5.81 total=6174453422\n\
+                    full avg10=0.00 avg60=0.00 avg300=0.00 total=12\n";
+        assert_eq!(parse_pressure::<u64>(text, "total"), Some(6_174_453_422));
+        assert_eq!(parse_pressure::<f64>(text, "avg10"), Some(18.73));
+        assert_eq!(
+            parse_pressure::<u64>("full avg10=0.00 total=12\n", "total"),
+            None
+        );
+    }
 
     #[test]
     fn schedstat_is_read() {
@@ -199,6 +312,11 @@ mod tests {
             threads: [(1, counters(100, 10, 1)), (2, counters(1_000, 20, 2))]
                 .into_iter()
                 .collect(),
+            stall: Stall {
+                cpu_us: 10,
+                memory_us: 20,
+                io_us: 30,
+            },
         };
         // Thread 1 exited with its counts, thread 3 started during the run.
         let after = Snapshot {
@@ -206,6 +324,11 @@ mod tests {
             threads: [(2, counters(3_000, 30, 5)), (3, counters(500, 5, 1))]
                 .into_iter()
                 .collect(),
+            stall: Stall {
+                cpu_us: 15,
+                memory_us: 20,
+                io_us: 130,
+            },
         };
         let sched = after.since(&before);
         assert_eq!(
@@ -213,6 +336,14 @@ mod tests {
             (2_500, 15, 4)
         );
         assert_eq!(sched.wall, Duration::from_secs(2));
+        assert_eq!(
+            sched.stall,
+            Stall {
+                cpu_us: 5,
+                memory_us: 0,
+                io_us: 100
+            }
+        );
         assert_eq!(sched.wait_per_request_ns(10), 250.0);
         assert_eq!(sched.wait_per_slice_ns(), 2_500.0 / 15.0);
         assert_eq!(sched.wait_share(), 2_500.0 / 2e9);
