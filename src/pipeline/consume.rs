@@ -72,6 +72,10 @@ pub struct TallyContext {
     /// Replaced when the key generation changes (see [`crate::domain::generation`]).
     fences: Mutex<FenceReader>,
     queue: Mutex<Vec<Rebalanced>>,
+    /// Where each partition's log ended for a `read_committed` reader (its
+    /// last stable offset) at librdkafka's last statistics, at most
+    /// [`STATISTICS_INTERVAL_MS`] old.
+    ends: Mutex<HashMap<i32, i64>>,
     /// Set after a change is queued, so the main loop's check after every
     /// message is one atomic read rather than a lock.
     queued: AtomicBool,
@@ -92,6 +96,10 @@ pub struct TallyContext {
     commits: Mutex<HashMap<i32, VecDeque<(i64, Instant)>>>,
 }
 
+/// How often librdkafka reports its statistics: the lag gauges, and the log
+/// ends that tell a partition catching up.
+const STATISTICS_INTERVAL_MS: &str = "500";
+
 /// Commits queued per partition that are still timed; an older one whose
 /// answer never came is dropped rather than kept forever.
 const COMMITS_TIMED: usize = 64;
@@ -104,6 +112,7 @@ impl TallyContext {
             fences: Mutex::new(fences),
             queue: Mutex::new(Vec::new()),
             queued: AtomicBool::new(false),
+            ends: Mutex::new(HashMap::new()),
             refused: Mutex::new(None),
             cooperative: false,
             group_acl: None,
@@ -186,6 +195,16 @@ impl TallyContext {
     /// at the fences of the generation it names.
     pub fn set_fences(&self, fences: FenceReader) {
         *self.fences.lock().unwrap_or_else(|e| e.into_inner()) = fences;
+    }
+
+    /// Where `partition`'s log ended at librdkafka's last statistics, if it
+    /// reported the partition.
+    pub fn log_end(&self, partition: i32) -> Option<i64> {
+        self.ends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&partition)
+            .copied()
     }
 
     /// Takes the ownership changes queued since the last call.
@@ -374,10 +393,14 @@ impl ClientContext for TallyContext {
     /// records of a transaction still open are not lag, since no consumer
     /// can read them before the transaction ends.
     fn stats(&self, statistics: rdkafka::Statistics) {
+        let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
         for topic in statistics.topics.values() {
             for (&partition, p) in &topic.partitions {
                 if partition >= 0 && p.desired && p.consumer_lag >= 0 {
                     crate::infra::metrics::consumer_lag(partition, p.consumer_lag);
+                }
+                if partition >= 0 && p.desired && p.ls_offset >= 0 {
+                    ends.insert(partition, p.ls_offset);
                 }
             }
         }
@@ -448,7 +471,7 @@ pub fn create_consumer(
         // Aborted transactions are never counted; -X cannot change it.
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
-        .set("statistics.interval.ms", "5000")
+        .set("statistics.interval.ms", STATISTICS_INTERVAL_MS)
         .set("client.id", "tally");
     if kafka.group_protocol == GroupProtocol::Classic {
         // Incremental rebalancing: a consumer joining or leaving moves only

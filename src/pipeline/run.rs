@@ -199,6 +199,15 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// timers and tasks is paid once per run of messages rather than per message.
 const DRAIN_AT_MOST: usize = 512;
 
+/// A partition whose log holds this many messages past what the consumer has
+/// read is catching up: its batches are sent when full, or at
+/// [`BEHIND_FLUSH_FACTOR`] times the flush interval. Far above what a
+/// partition keeps up with between two fetches, far below a backlog.
+const BEHIND_BY: i64 = 10_000;
+
+/// How many flush intervals a batch of a partition catching up may stay open.
+const BEHIND_FLUSH_FACTOR: u32 = 10;
+
 /// How long the run waits for a partition's watermarks when a fetched offset
 /// lies below its fence.
 const LOG_TIMEOUT: Duration = Duration::from_secs(2);
@@ -656,6 +665,22 @@ impl Pipeline {
                     self.finish(joined)?;
                     self.dispatch_ready(false);
                 }
+                // Before the consumer: under a steady stream of messages the
+                // consumer is always ready, and a tick polled after it would
+                // wait for a lull, leaving batches open past their age.
+                _ = tick.tick() => {
+                    self.stop_if_fatal()?;
+                    self.follow_generation(shutdown).await?;
+                    self.table = self.watch.current();
+                    self.detect();
+                    self.retry_seeks();
+                    self.dispatch_ready(false);
+                    self.report_idle();
+                    self.report_lag_seconds();
+                    if self.settings.dedupe.on() {
+                        intake::report_windows(&self.owned);
+                    }
+                }
                 received = consumer.recv(), if !self.blocked => {
                     self.received(received).await?;
                     // What librdkafka already holds is taken before the other
@@ -669,19 +694,6 @@ impl Pipeline {
                             Some(received) => self.received(received).await?,
                             None => break,
                         }
-                    }
-                }
-                _ = tick.tick() => {
-                    self.stop_if_fatal()?;
-                    self.follow_generation(shutdown).await?;
-                    self.table = self.watch.current();
-                    self.detect();
-                    self.retry_seeks();
-                    self.dispatch_ready(false);
-                    self.report_idle();
-                    self.report_lag_seconds();
-                    if self.settings.dedupe.on() {
-                        intake::report_windows(&self.owned);
                     }
                 }
             }
@@ -871,9 +883,7 @@ impl Pipeline {
                     && if s.batch.is_empty() {
                         !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
                     } else {
-                        flush_all
-                            || s.batch.is_full(&self.limits)
-                            || s.batch.age() >= self.flush_after
+                        flush_all || s.batch.is_full(&self.limits) || self.old_enough(**p, s)
                     }
             })
             .map(|(&p, _)| p)
@@ -890,6 +900,30 @@ impl Pipeline {
             self.dispatch(partition, positions.get(&partition).copied());
         }
         self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
+    }
+
+    /// Whether a partition's batch is old enough to send: at the flush
+    /// interval, or, while the log held at least [`BEHIND_BY`] more messages
+    /// than the consumer has read at librdkafka's last statistics (half a
+    /// second old at most, so a partition that caught up since looks caught
+    /// up; unknown before the first, which counts as caught up),
+    /// at [`BEHIND_FLUSH_FACTOR`] times it. A
+    /// partition catching up then sends batches that its limits close: at a
+    /// backlog's pace a 100 ms batch holds a fraction of its counters' events,
+    /// and each of those batches writes every counter again.
+    fn old_enough(&self, partition: i32, state: &Owned) -> bool {
+        let age = state.batch.age();
+        if age < self.flush_after {
+            return false;
+        }
+        if age >= self.flush_after * BEHIND_FLUSH_FACTOR {
+            return true;
+        }
+        let (Some(next), Some(end)) = (state.next, self.consumer.context().log_end(partition))
+        else {
+            return true;
+        };
+        end - next < BEHIND_BY
     }
 
     /// The consumer's position in each owned partition: one past the last
