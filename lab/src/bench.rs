@@ -279,6 +279,9 @@ struct Measured {
     writes: Option<u64>,
     /// Keys Redis gained while the backlog was read: the counters created.
     keys_created: Option<u64>,
+    /// The consumer's busiest thread while it read the backlog: its name
+    /// and the share of one core it used.
+    busiest_thread: Option<(String, f64)>,
 }
 
 impl Measured {

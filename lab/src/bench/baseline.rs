@@ -18,7 +18,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rustc_hash::FxHashMap;
 
-use super::services::{RedisSnapshot, cpu_secs, peak_rss_kib, redis_conn};
+use super::services::{RedisSnapshot, busiest_thread, cpu_secs, peak_rss_kib, redis_conn};
 use super::{BaselineArgs, Env, Measured, check_sample};
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
 use tally::infra::config::{
@@ -138,7 +138,11 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let secs = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
     let rss = peak_rss_kib("self").unwrap_or(0);
     let cpu = cpu_secs("self").unwrap_or(0.0);
-    println!("events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2}");
+    let (thread, thread_cpu) = busiest_thread("self").unwrap_or_default();
+    println!(
+        "events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2} busiest_cpu_secs={thread_cpu:.2} busiest_thread={}",
+        thread.replace(char::is_whitespace, "_")
+    );
     Ok(())
 }
 
@@ -213,6 +217,16 @@ pub(super) fn measure(
         hot: None,
         writes: writes.then_some(events),
         keys_created: writes.then(|| after.keys.saturating_sub(before.keys)),
+        busiest_thread: text
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("busiest_thread="))
+            .zip(field("busiest_cpu_secs"))
+            .map(|(name, cpu)| {
+                (
+                    name.to_string(),
+                    cpu / field("secs").unwrap_or(0.0).max(1e-9),
+                )
+            }),
         checked: if writes && complete {
             Some(check_sample(&env.redis, &prefix, truth)?)
         } else {

@@ -21,6 +21,23 @@ pub(super) fn ratio(a: f64, b: f64) -> String {
     }
 }
 
+/// What bounds both consumers' backlog rates: each one's busiest thread
+/// and the share of a core it used (a share near 100 % is a thread that
+/// cannot go faster).
+fn busiest(tally: &Measured, raw: &Measured) -> String {
+    let (Some((tally_name, tally_share)), Some((raw_name, raw_share))) =
+        (&tally.busiest_thread, &raw.busiest_thread)
+    else {
+        return String::new();
+    };
+    format!(
+        "; busiest thread while reading the backlog: tally's `{tally_name}` at {:.0} % of a core, \
+         raw's `{raw_name}` at {:.0} %",
+        tally_share * 100.0,
+        raw_share * 100.0
+    )
+}
+
 fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Result {
     let dash = || "–".to_string();
     let calls = m.calls_per_event().map_or_else(dash, |c| format!("{c:.4}"));
@@ -234,8 +251,9 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
     };
     writeln!(
         out,
-        "\ntally / raw: events/s **{}**.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
+        "\ntally / raw: events/s **{}**{}.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
         ratio(o.tally.rate(), o.raw.rate()),
+        busiest(&o.tally, &o.raw),
         versus(&o.tally, &o.naive),
         versus(&o.tally, &o.pipelined),
     )?;

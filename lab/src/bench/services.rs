@@ -90,7 +90,35 @@ pub fn peak_rss_kib(pid: &str) -> Option<u64> {
 /// CPU time (user + system, all threads) a process has used, in seconds;
 /// `"self"` for this one. Reads `/proc/PID/stat` (USER_HZ is 100 on Linux).
 pub fn cpu_secs(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_of_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The thread of process `pid` that has used the most CPU, as its name and
+/// its CPU seconds (user + system, `/proc/PID/task/*/stat`).
+pub fn busiest_thread(pid: &str) -> Option<(String, f64)> {
+    let mut busiest: Option<(String, f64)> = None;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let Ok(entry) = entry else { continue };
+        let path = entry.path().join("stat");
+        let Ok(stat) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let Some(cpu) = cpu_of_stat(&stat) else {
+            continue;
+        };
+        if busiest.as_ref().is_none_or(|(_, most)| cpu > *most) {
+            busiest = Some((name, cpu));
+        }
+    }
+    busiest
+}
+
+/// User + system CPU seconds of a `stat` line of `/proc`.
+fn cpu_of_stat(stat: &str) -> Option<f64> {
     // Fields after the command name, which may contain spaces: state is the 3rd field.
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
