@@ -52,8 +52,9 @@ pub use compute::plan;
 pub use dedupe::{Dedupe, MEASURED_BYTES_PER_EVENT};
 pub use model::keys_needed;
 
-/// Events/s of one `tally run` consumer in docs/benchmarks.md (145,882 Zipf and 140,586 viral on 2
-/// cores, Apache Kafka).
+/// Events/s of one `tally run` consumer planned for: its rate on Apache Kafka (145,882 Zipf and
+/// 140,586 viral on 2 cores) before readers stopped idling between fetches; docs/benchmarks.md
+/// now measures 920,000–1,080,000, so this plans with room to spare.
 pub const MEASURED_CONSUMER_EVENTS: f64 = 145_000.0;
 /// Counter increments per event of `tally run` on Zipf traffic in docs/benchmarks.md.
 pub const MEASURED_INCREMENTS_PER_EVENT: f64 = 0.42;
