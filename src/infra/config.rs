@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use crate::infra::security::read_secret_file;
 
 pub use kafka::{
-    DEFAULT_BROKERS, DEFAULT_GROUP, DEFAULT_TOPIC, FETCH_SETTINGS, GroupProtocol, KafkaSettings,
+    DEFAULT_BROKERS, DEFAULT_GROUP, DEFAULT_TOPIC, GroupProtocol, KafkaSettings,
     kafka_client_config, with_fetch_settings,
 };
 pub use kafka_security::{KafkaSecurity, KafkaSecurityInput};

@@ -569,6 +569,28 @@ fn dead_letters(
     ))))
 }
 
+/// Whether a batch `age` old is sent, for a partition whose next offset to
+/// read is `next` and whose log ends where `end` says: at `flush_after`, or at
+/// [`BEHIND_FLUSH_FACTOR`] times it while the log holds [`BEHIND_BY`] or more
+/// unread messages. An unknown end or position counts as caught up.
+fn sends_at(
+    age: Duration,
+    flush_after: Duration,
+    next: Option<i64>,
+    end: impl FnOnce() -> Option<i64>,
+) -> bool {
+    if age < flush_after {
+        return false;
+    }
+    if age >= flush_after * BEHIND_FLUSH_FACTOR {
+        return true;
+    }
+    match (next, end()) {
+        (Some(next), Some(end)) => end - next < BEHIND_BY,
+        _ => true,
+    }
+}
+
 struct Pipeline {
     settings: RunSettings,
     limits: Limits,
@@ -856,8 +878,6 @@ impl Pipeline {
     }
 
     fn after_accept(&mut self, partition: i32) {
-        // Ownership changes queued during recv() take effect before anything else.
-        self.apply_rebalances();
         let full = self
             .owned
             .get(&partition)
@@ -913,17 +933,11 @@ impl Pipeline {
     /// and each of those batches writes every counter again.
     fn old_enough(&self, partition: i32, state: &Owned) -> bool {
         let age = state.batch.age();
-        if age < self.flush_after {
-            return false;
-        }
-        if age >= self.flush_after * BEHIND_FLUSH_FACTOR {
-            return true;
-        }
-        let (Some(next), Some(end)) = (state.next, self.consumer.context().log_end(partition))
-        else {
-            return true;
-        };
-        end - next < BEHIND_BY
+        // The log's end is read only for a batch past the flush interval.
+        age >= self.flush_after
+            && sends_at(age, self.flush_after, state.next, || {
+                self.consumer.context().log_end(partition)
+            })
     }
 
     /// The consumer's position in each owned partition: one past the last
@@ -1205,5 +1219,37 @@ impl Pipeline {
         }
         self.committer.commit_all(&self.consumer);
         info!("Stopped.");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLUSH: Duration = Duration::from_millis(100);
+
+    fn sends(age_ms: u64, next: Option<i64>, end: Option<i64>) -> bool {
+        sends_at(Duration::from_millis(age_ms), FLUSH, next, || end)
+    }
+
+    #[test]
+    fn a_caught_up_partition_sends_at_the_flush_interval() {
+        assert!(!sends(99, Some(500), Some(600)));
+        assert!(sends(100, Some(500), Some(600)));
+        // Just under the catching-up distance.
+        assert!(sends(100, Some(0), Some(BEHIND_BY - 1)));
+    }
+
+    #[test]
+    fn a_partition_catching_up_sends_at_ten_flush_intervals() {
+        assert!(!sends(100, Some(0), Some(BEHIND_BY)));
+        assert!(!sends(999, Some(0), Some(1_000_000)));
+        assert!(sends(1_000, Some(0), Some(1_000_000)));
+    }
+
+    #[test]
+    fn an_unknown_end_or_position_counts_as_caught_up() {
+        assert!(sends(100, Some(0), None));
+        assert!(sends(100, None, Some(1_000_000)));
     }
 }
