@@ -113,6 +113,15 @@ pub const DEDUPE_WINDOW_SECONDS: &str = "tally_dedupe_window_seconds";
 pub const DUPLICATE_REASONS: [&str; 2] = ["event_id", "repeat_action"];
 /// Events the dedupe windows of this consumer remember, over its partitions.
 pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
+/// Seconds a partition's dedupe window took to be re-read from the log, from
+/// its restart (assignment, resync, a new generation) until the first record
+/// above the fences could be decided.
+pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
+/// Per partition, the age of the re-read running now (0 when none runs).
+pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
+/// Per partition, the offsets the running re-read has left below the fences
+/// (0 when none runs).
+pub const DEDUPE_REREAD_REMAINING: &str = "tally_dedupe_reread_remaining_offsets";
 
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
@@ -299,7 +308,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         DUPLICATES_SKIPPED,
         Kind::Counter,
-        "Records that changed no count because they repeat a like within the dedupe window, by reason (event_id: an earlier record carries its event id; repeat_action: an id-less like after a like, or unlike after an unlike, of the same user and post).",
+        "Records that changed no count because they repeat a like within the dedupe window, by reason (event_id: an earlier record carries its event id; repeat_action: a like after a like, or an unlike after an unlike, of the same user and post, with or without event ids).",
     ),
     (
         DEDUPE_WINDOW_SECONDS,
@@ -310,6 +319,21 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         DEDUPE_REMEMBERED,
         Kind::Gauge,
         "Events the dedupe windows of this consumer remember, over its partitions (at most --dedupe-window per partition).",
+    ),
+    (
+        DEDUPE_REREAD_SECONDS,
+        Kind::Histogram,
+        "Seconds a partition's dedupe window took to be re-read from the log below its fences, from the partition's assignment (or resync, or new generation) until its first record above them could be decided; nothing above them is applied meanwhile.",
+    ),
+    (
+        DEDUPE_REREAD_AGE,
+        Kind::Gauge,
+        "Per partition, seconds since the dedupe window's re-read that is running now began (0 when none runs).",
+    ),
+    (
+        DEDUPE_REREAD_REMAINING,
+        Kind::Gauge,
+        "Per partition, offsets the running re-read of the dedupe window has left below the fences (0 when none runs).",
     ),
     (
         ROUTED_POSTS,
@@ -402,6 +426,8 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
     gauge!(DEDUPE_REMEMBERED).set(0.0);
+    // Registered so that its series exist before the first re-read ends.
+    let _ = histogram!(DEDUPE_REREAD_SECONDS);
     gauge!(ROUTED_POSTS).set(0.0);
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
@@ -428,6 +454,20 @@ pub fn dedupe_window(partition: i32, seconds: f64) {
 /// Records how many events the dedupe windows remember.
 pub fn dedupe_remembered(events: usize) {
     gauge!(DEDUPE_REMEMBERED).set(events as f64);
+}
+
+/// Records a partition's running re-read: its age and the offsets it has
+/// left; zero and zero when none runs.
+pub fn dedupe_reread(partition: i32, age: Duration, remaining: i64) {
+    let partition = partition.to_string();
+    gauge!(DEDUPE_REREAD_AGE, "partition" => partition.clone()).set(age.as_secs_f64());
+    gauge!(DEDUPE_REREAD_REMAINING, "partition" => partition).set(remaining.max(0) as f64);
+}
+
+/// Records a re-read that reached the fences after `took`.
+pub fn dedupe_reread_done(partition: i32, took: Duration) {
+    histogram!(DEDUPE_REREAD_SECONDS).record(took.as_secs_f64());
+    dedupe_reread(partition, Duration::ZERO, 0);
 }
 
 /// Records a dead-lettered message.
@@ -664,6 +704,12 @@ fn builder() -> Result<PrometheusBuilder, BuildError> {
             ][..],
         ),
         (SCRIPT_KEYS, &[0.0, 1.0, 10.0, 100.0, 1e3, 1e4][..]),
+        (
+            DEDUPE_REREAD_SECONDS,
+            &[
+                0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+            ][..],
+        ),
     ] {
         builder = builder.set_buckets_for_metric(Matcher::Full(name.to_string()), buckets)?;
     }

@@ -2,62 +2,81 @@
 //!
 //! The fence counts every log record once; a producer that delivers at least
 //! once (an outbox relay that restarts, an app retrying on a new producer, a
-//! double tap) writes one like as several records. Within a window of the
-//! last `span` offsets of a partition, with [`DedupeMode::Ids`]:
+//! double tap) writes one like as several records. Each record of a
+//! partition is judged, in offset order, against the records of its window
+//! (below), by two rules:
 //!
-//! * a record with an event id is skipped ([`Skip::EventId`]) when an earlier
-//!   record of the window carries the same id for the same post, user and
-//!   action;
+//! * **the id rule** ([`DedupeMode::Ids`] and on): a record with an event id
+//!   is skipped ([`Skip::EventId`]) when an earlier record of the window
+//!   carries the same id for the same post, user and action;
+//! * **the action rule** ([`DedupeMode::IdsAndActions`]): a record the id
+//!   rule did not skip is skipped ([`Skip::RepeatAction`]) when the latest
+//!   record of the same (post, user) in the window that the id rule did not
+//!   skip has the same action: a like after a like, an unlike after an
+//!   unlike, with or without ids on either. A record the id rule skipped is
+//!   a copy of an earlier one, not an action of the user's, so it never
+//!   becomes the latest action.
 //!
-//! and with [`DedupeMode::IdsAndActions`] also:
-//!
-//! * a record without an id is skipped ([`Skip::RepeatAction`]) when the
-//!   latest id-less record of the same (post, user) in the window has the same
-//!   action: a like after a like, an unlike after an unlike.
-//!
-//! The window of the record at offset `o` holds the records at offsets
-//! `max(origin, o - span) ..= o - 1`, where `origin` is the first offset
-//! tally counted in the partition. Every record updates the window, skipped
-//! or not, and bad messages never enter it.
+//! The window of the record at offset `o` holds the records at offsets from
+//! [`DedupeSettings::window_start`]`(o)` (the start of the block
+//! [`BLOCKS`] blocks before `o`'s, a block being an eighth of `span`) up to
+//! `o - 1`, and none before the first offset tally counted in the partition
+//! (its origin): at least `span` offsets, less than a block more. Bad
+//! messages never enter it.
 //!
 //! # Invariant: the verdict is a function of the log
 //!
 //! Whether the record at `o` is skipped depends only on the records of its
-//! window, never on what an owner happened to see before. So every owner
-//! reaches the same verdict, whatever the faults between them: an owner that
-//! starts at fence `f` re-reads the log from `max(origin, f + 1 - span)` into
-//! a fresh [`Window`] before deciding anything above `f` (see
-//! `run::intake`), and so does every re-read after a refused batch or a
-//! Redis that rolled the fence back. The state therefore always agrees with
-//! the fence: it is derived from the records at or below it, re-read, and
-//! the records decided since. Nothing is stored outside the log, and a
-//! skipped record is an offset the batch covers without a counter, so the
-//! scripts and their Redis calls do not change. `tally verify` and `tally
-//! rebuild` walk the log from the origin through the same [`Window`].
+//! window, and, for the action rule, on the id verdicts of those records,
+//! whose windows reach one window further back. Never on what an owner
+//! happened to see before. So every owner reaches the same verdict, whatever
+//! the faults between them: an owner that resumes at `r` re-reads the log from
+//! [`DedupeSettings::rewind`] into a fresh [`Window`] before deciding
+//! anything from `r` on (see `run::intake`), and so does every re-read after
+//! a refused batch or a Redis that rolled the fence back. Nothing is stored
+//! outside the log, and a skipped record is an offset the batch covers
+//! without a counter, so the scripts and their Redis calls do not change.
+//! `tally verify` and `tally rebuild` walk the log from the origin through
+//! the same [`Window`].
 //!
 //! Why offsets and not timestamps: a window of the last `W` seconds of
 //! record time cannot be re-read exactly. Timestamps within a partition are
 //! not ordered (producer clocks, retries), so a late record could reach back
 //! to any offset, and no re-read of bounded length would find every record
-//! it may repeat. A window of offsets is re-read exactly, by construction, and
-//! bounds memory by itself: at most `span` ids and `span` (post, user) pairs
-//! per partition, besides the record just decided. What `span` covers in time depends on the rate; operators
-//! size it with `tally plan` and watch `tally_dedupe_window_seconds`.
+//! it may repeat. A window of offsets is re-read exactly, by construction,
+//! and bounds memory by itself. What `span` covers in time depends on the
+//! rate; operators size it with `tally plan` and watch
+//! `tally_dedupe_window_seconds`.
+//!
+//! # Memory
+//!
+//! The window remembers 64-bit-class fingerprints, not records: per record,
+//! a fingerprint of its keyed id and one of its (post, user) with the action,
+//! in one flat table ([`fingerprints`]) of eight bytes an entry, tagged with
+//! the block they were last seen in. Entering a block drops the entries of
+//! the block that left the window, so every entry the table holds is in the
+//! window. A full window costs at most 22 bytes per remembered record (two
+//! entries at a load of at least `1 / LOAD` of the table's full size, over a
+//! window at least eight blocks long), and nothing is allocated per entry.
+//! Two keys are confused when their hashes agree on the fingerprint and the
+//! full-size home, 44 + log2(slots) bits: docs/design.md gives the chance.
 
-use std::collections::VecDeque;
+mod fingerprints;
 
-use rustc_hash::FxHashMap;
+use fingerprints::{Fingerprints, Key};
 
 use crate::pipeline::decode::{EventId, Like};
 
-pub use crate::infra::config::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings, MAX_WINDOW};
+pub use crate::infra::config::dedupe::{
+    BLOCKS, DEFAULT_WINDOW, DedupeMode, DedupeSettings, MAX_WINDOW,
+};
 
 /// Why a record was skipped; a metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Skip {
     /// An earlier record in the window carries the same event id.
     EventId,
-    /// An id-less record repeating the user's last action on the post.
+    /// A record repeating the user's last action on the post.
     RepeatAction,
 }
 
@@ -74,40 +93,54 @@ impl Skip {
     }
 }
 
-/// One partition's window: what the last `span` offsets said.
+/// Blocks whose entries a window holds: its own and the [`BLOCKS`] before.
+const LIVE: usize = BLOCKS as usize + 1;
+/// A block's tag is its number modulo this (the caller's byte holds seven
+/// bits of tag and one of action).
+const TAGS: i64 = 128;
+/// The seed of (post, user) hashes, so they never meet keyed ids.
+const PAIR_SEED: u64 = 0x7a11_7a11_0dd5_eed5;
+
+/// What one block of the window remembers, for the gauges.
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockStats {
+    /// Records that left an entry.
+    remembered: usize,
+    /// The earliest Kafka timestamp among them.
+    earliest_ms: Option<i64>,
+}
+
+/// One partition's window: what the records of its last blocks said.
 #[derive(Debug)]
 pub struct Window {
-    mode: DedupeMode,
-    span: i64,
+    settings: DedupeSettings,
     /// The offset the window expects next; lower ones were already seen.
     next: Option<i64>,
-    /// Keyed event id → the newest offset that carried it.
-    ids: FxHashMap<u128, i64>,
-    /// (post, user) → the newest offset of an id-less record, and its delta.
-    actions: FxHashMap<(u64, u64), (i64, i64)>,
-    /// Both maps' entries in offset order, so they leave the window in order.
-    id_order: VecDeque<(i64, u128)>,
-    action_order: VecDeque<(i64, u64, u64)>,
-    /// Kafka timestamps of the oldest entry still remembered and of the
-    /// newest record, for the time the window covers.
+    /// The block of the latest offset shown.
+    block: Option<i64>,
+    table: Fingerprints,
+    /// Per live block (by its number modulo [`LIVE`]).
+    blocks: [BlockStats; LIVE],
     newest_ms: i64,
-    oldest: VecDeque<(i64, i64)>,
 }
 
 impl Window {
     /// An empty window that expects records from `from` on, or from the first
     /// one it is shown when `from` is `None`.
     pub fn new(settings: DedupeSettings, from: Option<i64>) -> Self {
+        let per_record = match settings.mode {
+            DedupeMode::Off => 0,
+            DedupeMode::Ids => 1,
+            DedupeMode::IdsAndActions => 2,
+        };
+        let offsets = settings.block_len() as usize * LIVE;
         Window {
-            mode: settings.mode,
-            span: settings.span as i64,
+            settings,
             next: from,
-            ids: FxHashMap::default(),
-            actions: FxHashMap::default(),
-            id_order: VecDeque::new(),
-            action_order: VecDeque::new(),
+            block: None,
+            table: Fingerprints::new(per_record * offsets),
+            blocks: [BlockStats::default(); LIVE],
             newest_ms: 0,
-            oldest: VecDeque::new(),
         }
     }
 
@@ -131,72 +164,85 @@ impl Window {
         like: &Like,
         id: Option<EventId>,
     ) -> Option<Skip> {
-        debug_assert!(self.expects(offset), "records are shown in offset order");
-        self.next = Some(offset + 1);
-        self.expire(offset);
-        let (remembered, verdict) = match id {
-            _ if self.mode == DedupeMode::Off => (false, None),
-            Some(id) => {
-                let key = id.keyed(like);
-                let seen = self.ids.insert(key, offset).is_some();
-                self.id_order.push_back((offset, key));
-                (true, seen.then_some(Skip::EventId))
-            }
-            None if self.mode == DedupeMode::IdsAndActions => {
-                let pair = (like.post_id, like.user_id);
-                let last = self.actions.insert(pair, (offset, like.delta));
-                self.action_order.push_back((offset, pair.0, pair.1));
-                let repeat = last.is_some_and(|(_, delta)| delta == like.delta);
-                (true, repeat.then_some(Skip::RepeatAction))
-            }
-            None => (false, None),
-        };
-        if remembered {
-            self.oldest.push_back((offset, timestamp_ms));
+        self.pass(offset);
+        let mode = self.settings.mode;
+        if mode == DedupeMode::Off {
+            return None;
         }
-        self.newest_ms = self.newest_ms.max(timestamp_ms);
+        let tag = (self.block.unwrap_or(0).rem_euclid(TAGS) as u8) << 1;
+        let mut remembered = false;
+        if let Some(id) = id {
+            remembered = true;
+            if self.table.upsert(id_key(id, like), tag).is_some() {
+                self.remember(timestamp_ms);
+                return Some(Skip::EventId);
+            }
+        }
+        let mut verdict = None;
+        if mode == DedupeMode::IdsAndActions {
+            remembered = true;
+            let liked = u8::from(like.delta > 0);
+            let last = self.table.upsert(pair_key(like), tag | liked);
+            if last.is_some_and(|byte| byte & 1 == liked) {
+                verdict = Some(Skip::RepeatAction);
+            }
+        }
+        if remembered {
+            self.remember(timestamp_ms);
+        }
         verdict
     }
 
     /// Marks the record at `offset` as seen without remembering anything (a
     /// bad message): it still moves the window along.
     pub fn pass(&mut self, offset: i64) {
+        debug_assert!(self.expects(offset), "records are shown in offset order");
         self.next = Some(offset + 1);
-    }
-
-    /// Forgets every entry older than the window of `offset`.
-    fn expire(&mut self, offset: i64) {
-        let from = offset - self.span;
-        while let Some(&(o, key)) = self.id_order.front() {
-            if o >= from {
-                break;
-            }
-            self.id_order.pop_front();
-            if self.ids.get(&key) == Some(&o) {
-                self.ids.remove(&key);
-            }
-        }
-        while let Some(&(o, post, user)) = self.action_order.front() {
-            if o >= from {
-                break;
-            }
-            self.action_order.pop_front();
-            if self
-                .actions
-                .get(&(post, user))
-                .is_some_and(|&(at, _)| at == o)
-            {
-                self.actions.remove(&(post, user));
-            }
-        }
-        while self.oldest.front().is_some_and(|&(o, _)| o < from) {
-            self.oldest.pop_front();
+        let block = offset.div_euclid(self.settings.block_len());
+        match self.block {
+            Some(now) if block > now => self.enter(now, block),
+            None => self.block = Some(block),
+            _ => {}
         }
     }
 
-    /// Records remembered (ids and id-less pairs).
+    /// Moves from block `now` to `block`: forgets every entry last seen
+    /// more than [`BLOCKS`] blocks before `block`. Entries are never older
+    /// than [`BLOCKS`] blocks before `now`, so a tag (the block modulo
+    /// [`TAGS`]) tells their age.
+    fn enter(&mut self, now: i64, block: i64) {
+        let gap = block - now;
+        if gap >= LIVE as i64 {
+            self.table.clear();
+            self.blocks = [BlockStats::default(); LIVE];
+        } else {
+            let now_tag = now.rem_euclid(TAGS);
+            self.table.retain(|byte| {
+                let age = (now_tag - i64::from(byte >> 1)).rem_euclid(TAGS);
+                age + gap <= BLOCKS
+            });
+            for b in now + 1..=block {
+                self.blocks[b.rem_euclid(LIVE as i64) as usize] = BlockStats::default();
+            }
+        }
+        self.block = Some(block);
+    }
+
+    fn remember(&mut self, timestamp_ms: i64) {
+        let block = self.block.unwrap_or(0);
+        let stats = &mut self.blocks[block.rem_euclid(LIVE as i64) as usize];
+        stats.remembered += 1;
+        stats.earliest_ms = Some(
+            stats
+                .earliest_ms
+                .map_or(timestamp_ms, |t| t.min(timestamp_ms)),
+        );
+        self.newest_ms = self.newest_ms.max(timestamp_ms);
+    }
+
+    /// Records remembered, over the blocks of the window.
     pub fn len(&self) -> usize {
-        self.id_order.len() + self.action_order.len()
+        self.blocks.iter().map(|b| b.remembered).sum()
     }
 
     /// Whether nothing is remembered.
@@ -204,41 +250,62 @@ impl Window {
         self.len() == 0
     }
 
-    /// Seconds of record time between the oldest remembered record and the
-    /// newest record seen: how much time the window covers now.
+    /// Entries the table had to drop, each a key no longer remembered (see
+    /// [`fingerprints`]); 0 unless the hash is attacked.
+    pub fn forgotten(&self) -> u64 {
+        self.table.forgotten()
+    }
+
+    /// Seconds of record time between the earliest record of the oldest
+    /// block still remembered and the newest record seen: about how much
+    /// time the window covers now.
     pub fn covers_seconds(&self) -> f64 {
-        match self.oldest.front() {
-            Some(&(_, oldest)) => (self.newest_ms - oldest).max(0) as f64 / 1000.0,
+        let Some(block) = self.block else {
+            return 0.0;
+        };
+        let oldest = (block - BLOCKS..=block)
+            .map(|b| self.blocks[b.rem_euclid(LIVE as i64) as usize])
+            .find(|stats| stats.remembered > 0)
+            .and_then(|stats| stats.earliest_ms);
+        match oldest {
+            Some(oldest) => (self.newest_ms - oldest).max(0) as f64 / 1000.0,
             None => 0.0,
         }
     }
 
-    /// Bytes the window holds on the heap, as allocated (capacity, not
-    /// length): what a remembered event costs, measured by `tally-lab bench`.
+    /// Bytes the window holds on the heap, as allocated: what a remembered
+    /// event costs, measured by `tally-lab bench` and priced by `tally plan`.
     pub fn heap_bytes(&self) -> usize {
-        // hashbrown: one control byte per bucket besides the entry.
-        let map = |cap: usize, entry: usize| cap * (entry + 1);
-        map(self.ids.capacity(), size_of::<(u128, i64)>())
-            + map(
-                self.actions.capacity(),
-                size_of::<((u64, u64), (i64, i64))>(),
-            )
-            + self.id_order.capacity() * size_of::<(i64, u128)>()
-            + self.action_order.capacity() * size_of::<(i64, u64, u64)>()
-            + self.oldest.capacity() * size_of::<(i64, i64)>()
+        self.table.heap_bytes()
     }
+}
+
+/// The key of a record's event id, bound to its post, user and action.
+fn id_key(id: EventId, like: &Like) -> Key {
+    Key(id.keyed(like))
+}
+
+/// The key of a record's (post, user).
+fn pair_key(like: &Like) -> Key {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&like.post_id.to_le_bytes());
+    bytes[8..].copy_from_slice(&like.user_id.to_le_bytes());
+    Key(xxhash_rust::xxh3::xxh3_128_with_seed(&bytes, PAIR_SEED))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
 
     #[test]
     fn every_skip_reason_is_a_registered_metric_label() {
         let labels: Vec<&str> = Skip::ALL.iter().map(|s| s.as_str()).collect();
         assert_eq!(labels, crate::infra::metrics::DUPLICATE_REASONS);
     }
-    use super::*;
-    use proptest::prelude::*;
 
     fn settings(mode: DedupeMode, span: u64) -> DedupeSettings {
         DedupeSettings { mode, span }
@@ -278,21 +345,105 @@ mod tests {
         out
     }
 
+    /// The verdicts of consecutive records from offset 0, in both modes
+    /// that skip anything: (ids, ids-and-actions).
+    fn both(records: &[(Like, Option<u64>)]) -> (Vec<Option<Skip>>, Vec<Option<Skip>>) {
+        let log: Vec<Record> = records
+            .iter()
+            .enumerate()
+            .map(|(o, &(l, e))| (o as i64, Some(l), e))
+            .collect();
+        let run = |mode| {
+            decide(settings(mode, 1_000), 0, &log)
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect()
+        };
+        (run(DedupeMode::Ids), run(DedupeMode::IdsAndActions))
+    }
+
+    const LIKE: i64 = 1;
+    const UNLIKE: i64 = -1;
+    const ID: Option<Skip> = Some(Skip::EventId);
+    const ACTION: Option<Skip> = Some(Skip::RepeatAction);
+
+    // One test per row of the table in docs/contract.md, "Which records count".
+
     #[test]
-    fn a_repeated_id_is_skipped_within_the_window_only() {
-        let l = Some(like(7, 9, 1));
-        let records = [
-            (0, l, Some(1)),
-            (1, l, Some(1)),
-            (3, l, Some(2)),
-            (5, l, Some(1)),
-        ];
-        let verdicts = decide(settings(DedupeMode::Ids, 3), 0, &records);
-        // Offset 5's window is 2..=4: the id seen at 0 and 1 has left it.
-        assert_eq!(
-            verdicts,
-            [(0, None), (1, Some(Skip::EventId)), (3, None), (5, None)]
-        );
+    fn same_id_like_like_counts_once_in_both_modes() {
+        let l = like(7, 9, LIKE);
+        let (ids, actions) = both(&[(l, Some(1)), (l, Some(1))]);
+        assert_eq!(ids, [None, ID]);
+        assert_eq!(actions, [None, ID]);
+    }
+
+    #[test]
+    fn fresh_ids_like_like_counts_once_with_actions() {
+        let l = like(7, 9, LIKE);
+        let (ids, actions) = both(&[(l, Some(1)), (l, Some(2))]);
+        assert_eq!(ids, [None, None]);
+        assert_eq!(actions, [None, ACTION]);
+    }
+
+    #[test]
+    fn idless_like_like_counts_once_with_actions() {
+        let l = like(7, 9, LIKE);
+        let (ids, actions) = both(&[(l, None), (l, None)]);
+        assert_eq!(ids, [None, None]);
+        assert_eq!(actions, [None, ACTION]);
+    }
+
+    #[test]
+    fn mixed_like_like_counts_once_with_actions_whichever_carries_the_id() {
+        let l = like(7, 9, LIKE);
+        for pair in [[(l, Some(1)), (l, None)], [(l, None), (l, Some(1))]] {
+            let (ids, actions) = both(&pair);
+            assert_eq!(ids, [None, None]);
+            assert_eq!(actions, [None, ACTION]);
+        }
+    }
+
+    #[test]
+    fn like_unlike_like_counts_every_change() {
+        let (l, u) = (like(7, 9, LIKE), like(7, 9, UNLIKE));
+        for ids_on in [true, false] {
+            let e = |n| ids_on.then_some(n);
+            let (ids, actions) = both(&[(l, e(1)), (u, e(2)), (l, e(3))]);
+            assert_eq!(ids, [None, None, None]);
+            assert_eq!(actions, [None, None, None]);
+        }
+    }
+
+    #[test]
+    fn a_resent_like_after_an_unlike_is_a_copy_not_an_action() {
+        // The relay sends like(1) again after unlike(2): a copy, skipped by
+        // its id, and the user's last action stays the unlike, so a new
+        // like (3) counts and an unlike (4) after it too.
+        let (l, u) = (like(7, 9, LIKE), like(7, 9, UNLIKE));
+        let (ids, actions) = both(&[(l, Some(1)), (u, Some(2)), (l, Some(1)), (l, Some(3))]);
+        assert_eq!(ids, [None, None, ID, None]);
+        assert_eq!(actions, [None, None, ID, None]);
+        let (_, actions) = both(&[(l, Some(1)), (u, Some(2)), (l, Some(1)), (u, Some(4))]);
+        assert_eq!(actions, [None, None, ID, ACTION]);
+    }
+
+    #[test]
+    fn unlike_first_counts_and_unlike_unlike_counts_once() {
+        let u = like(7, 9, UNLIKE);
+        let (ids, actions) = both(&[(u, Some(1)), (u, Some(2)), (u, None)]);
+        assert_eq!(ids, [None, None, None]);
+        assert_eq!(actions, [None, ACTION, ACTION]);
+    }
+
+    #[test]
+    fn actions_of_another_user_or_post_are_not_repeats() {
+        let (ids, actions) = both(&[
+            (like(7, 9, LIKE), Some(1)),
+            (like(7, 8, LIKE), Some(2)),
+            (like(6, 9, LIKE), Some(3)),
+        ]);
+        assert_eq!(ids, [None, None, None]);
+        assert_eq!(actions, [None, None, None]);
     }
 
     #[test]
@@ -304,51 +455,40 @@ mod tests {
             (3, Some(like(7, 9, 1)), Some(1)),
         ];
         let verdicts = decide(settings(DedupeMode::Ids, 100), 0, &records);
-        assert_eq!(
-            verdicts,
-            [(0, None), (1, None), (2, None), (3, Some(Skip::EventId))]
-        );
+        assert_eq!(verdicts, [(0, None), (1, None), (2, None), (3, ID)]);
     }
 
     #[test]
-    fn repeated_actions_are_skipped_only_when_asked_and_only_without_ids() {
-        let (l, u) = (Some(like(7, 9, 1)), Some(like(7, 9, -1)));
-        let records = [
-            (0, l, None),
-            (1, l, None),
-            (2, u, None),
-            (3, u, None),
-            (4, l, Some(5)),
-            (5, l, Some(6)),
-            (6, l, None),
-        ];
-        let ids = decide(settings(DedupeMode::Ids, 100), 0, &records);
-        assert!(ids.iter().all(|(_, v)| v.is_none()));
-        let actions = decide(settings(DedupeMode::IdsAndActions, 100), 0, &records);
-        let skipped: Vec<i64> = actions
-            .iter()
-            .filter(|(_, v)| *v == Some(Skip::RepeatAction))
-            .map(|(o, _)| *o)
-            .collect();
-        // Id'd records are judged by their ids alone, and never move the
-        // last id-less action: 6 follows the id-less unlike at 3.
-        assert_eq!(skipped, [1, 3]);
+    fn the_window_moves_a_block_at_a_time() {
+        // 16 offsets, blocks of 2: the window of offset o starts at the
+        // block 8 blocks before o's, so 16 to 17 offsets back.
+        let s = settings(DedupeMode::Ids, 16);
+        assert_eq!(s.block_len(), 2);
+        assert_eq!(s.window_start(20), 4);
+        assert_eq!(s.window_start(21), 4);
+        assert_eq!(s.window_start(22), 6);
+        let l = Some(like(7, 9, 1));
+        // Offset 4 is in the window of 20 and 21, not of 22.
+        for (repeat_at, expected) in [(20, ID), (21, ID), (22, None)] {
+            let verdicts = decide(s, 0, &[(4, l, Some(1)), (repeat_at, l, Some(1))]);
+            assert_eq!(verdicts, [(4, None), (repeat_at, expected)], "{repeat_at}");
+        }
     }
 
     #[test]
     fn an_unlike_older_than_the_window_lets_a_like_count_again() {
         let (l, u) = (Some(like(7, 9, 1)), Some(like(7, 9, -1)));
-        let records = [(0, l, None), (1, u, None), (5, u, None), (6, l, None)];
-        let verdicts = decide(settings(DedupeMode::IdsAndActions, 2), 0, &records);
-        assert_eq!(verdicts, [(0, None), (1, None), (5, None), (6, None)]);
+        let records = [(0, l, None), (1, u, None), (30, u, None), (31, l, None)];
+        let verdicts = decide(settings(DedupeMode::IdsAndActions, 16), 0, &records);
+        assert_eq!(verdicts, [(0, None), (1, None), (30, None), (31, None)]);
     }
 
     #[test]
     fn bad_messages_move_the_window_without_entering_it() {
         let l = Some(like(7, 9, 1));
         let records = [(0, l, Some(1)), (1, None, None), (2, l, Some(1))];
-        let verdicts = decide(settings(DedupeMode::Ids, 2), 0, &records);
-        assert_eq!(verdicts, [(0, None), (2, Some(Skip::EventId))]);
+        let verdicts = decide(settings(DedupeMode::Ids, 16), 0, &records);
+        assert_eq!(verdicts, [(0, None), (2, ID)]);
     }
 
     #[test]
@@ -362,26 +502,93 @@ mod tests {
     }
 
     #[test]
-    fn the_rewind_never_passes_the_origin() {
-        let s = settings(DedupeMode::Ids, 100);
-        assert_eq!(s.rewind(0, 1_000), 900);
-        assert_eq!(s.rewind(950, 1_000), 950);
-        assert_eq!(s.rewind(0, 50), 0);
-        assert_eq!(s.rewind(1_000, 1_000), 1_000);
+    fn the_rewind_never_passes_the_origin_and_reaches_twice_as_far_for_actions() {
+        let ids = settings(DedupeMode::Ids, 800);
+        assert_eq!(ids.rewind(0, 1_000), 200);
+        assert_eq!(ids.rewind(950, 1_000), 950);
+        assert_eq!(ids.rewind(0, 50), 0);
+        assert_eq!(ids.rewind(1_000, 1_000), 1_000);
+        let actions = settings(DedupeMode::IdsAndActions, 800);
+        assert_eq!(actions.rewind(0, 2_050), 400);
+        assert_eq!(actions.rewind(0, 1_000), 0);
     }
 
     #[test]
     fn the_window_reports_the_time_it_covers() {
         let l = like(7, 9, 1);
-        let mut window = Window::new(settings(DedupeMode::Ids, 2), Some(0));
+        let mut window = Window::new(settings(DedupeMode::Ids, 8), Some(0));
         window.observe(0, 1_000, &l, Some(id(1)));
         window.observe(1, 4_000, &l, Some(id(2)));
         assert_eq!(window.covers_seconds(), 3.0);
-        window.observe(2, 6_000, &l, Some(id(3)));
-        window.observe(3, 7_000, &l, Some(id(4)));
-        // Offset 3's window is 1..=2; 0 has left.
+        // Offset 9's window is 1..=8: 0 has left.
+        window.observe(9, 7_000, &l, Some(id(3)));
         assert_eq!(window.covers_seconds(), 3.0);
-        assert_eq!(window.len(), 3);
+        assert_eq!(window.len(), 2);
+    }
+
+    #[test]
+    fn a_full_window_costs_at_most_22_bytes_a_record() {
+        // Every record with an id of its own and a pair of its own: two
+        // entries each, the most a record costs.
+        let span = 80_000u64;
+        let mut window = Window::new(settings(DedupeMode::IdsAndActions, span), Some(0));
+        let mut most = 0.0f64;
+        for offset in 0..3 * span as i64 {
+            let n = offset as u64;
+            let verdict = window.observe(offset, 0, &like(1 + n % 997, n, 1), Some(id(n)));
+            assert_eq!(verdict, None);
+            if offset >= span as i64 && offset % 997 == 0 {
+                let per = window.heap_bytes() as f64 / window.len() as f64;
+                most = most.max(per);
+            }
+        }
+        println!("heap bytes per remembered record, full window of {span}: at most {most:.2}");
+        assert!(most <= 22.0, "{most}");
+        assert_eq!(window.forgotten(), 0);
+    }
+
+    /// Two keys whose hashes agree on the full-size home and on the top 32
+    /// bits of their low half (all a 32-bit fingerprint would keep), found
+    /// by a birthday search over `make(n)`.
+    fn narrow_collision(window: &Window, make: impl Fn(u64) -> Key) -> (u64, u64) {
+        let mut seen: HashMap<(usize, u64), u64> = HashMap::new();
+        for n in 0.. {
+            let key = make(n);
+            let narrow = (window.table.full_home(key), (key.0 as u64) >> 32);
+            if let Some(&m) = seen.get(&narrow)
+                && make(m).0 as u64 != key.0 as u64
+            {
+                return (m, n);
+            }
+            seen.insert(narrow, n);
+        }
+        unreachable!()
+    }
+
+    #[test]
+    fn likes_that_collide_in_a_32_bit_fingerprint_both_count() {
+        // Two users' likes of one post, with pair keys that a 32-bit
+        // fingerprint would confuse: the second would be skipped as a repeat.
+        let s = settings(DedupeMode::IdsAndActions, 16);
+        let mut window = Window::new(s, Some(0));
+        let (a, b) = narrow_collision(&window, |user| pair_key(&like(7, user, 1)));
+        assert_eq!(window.observe(0, 0, &like(7, a, 1), None), None);
+        assert_eq!(
+            window.observe(1, 0, &like(7, b, 1), None),
+            None,
+            "users {a} and {b}"
+        );
+        // Two likes with ids a 32-bit fingerprint would confuse.
+        let s = settings(DedupeMode::Ids, 16);
+        let mut window = Window::new(s, Some(0));
+        let l = like(7, 9, 1);
+        let (a, b) = narrow_collision(&window, |n| id_key(id(n), &l));
+        assert_eq!(window.observe(0, 0, &l, Some(id(a))), None);
+        assert_eq!(
+            window.observe(1, 0, &l, Some(id(b))),
+            None,
+            "ids {a} and {b}"
+        );
     }
 
     fn records() -> impl Strategy<Value = Vec<Record>> {
@@ -406,6 +613,46 @@ mod tests {
         })
     }
 
+    /// The rule read straight off the module doc, over the whole log.
+    fn by_the_rule(s: DedupeSettings, origin: i64, log: &[Record]) -> HashMap<i64, Option<Skip>> {
+        let mut verdicts: HashMap<i64, Option<Skip>> = HashMap::new();
+        for &(offset, like, event) in log.iter().filter(|r| r.0 >= origin) {
+            let Some(l) = like else { continue };
+            let start = s.window_start(offset).max(origin);
+            let earlier: Vec<&Record> = log
+                .iter()
+                .filter(|r| r.0 >= start && r.0 < offset && r.1.is_some())
+                .collect();
+            let by_id = event.is_some() && earlier.iter().any(|r| r.2 == event && r.1 == Some(l));
+            let verdict = if by_id {
+                Some(Skip::EventId)
+            } else if s.mode == DedupeMode::IdsAndActions {
+                earlier
+                    .iter()
+                    .rev()
+                    .find(|r| {
+                        let x = r.1.unwrap();
+                        (x.post_id, x.user_id) == (l.post_id, l.user_id)
+                            && verdicts[&r.0] != Some(Skip::EventId)
+                    })
+                    .is_some_and(|r| r.1.unwrap().delta == l.delta)
+                    .then_some(Skip::RepeatAction)
+            } else {
+                None
+            };
+            verdicts.insert(offset, verdict);
+        }
+        verdicts
+    }
+
+    fn mode(actions: bool) -> DedupeMode {
+        if actions {
+            DedupeMode::IdsAndActions
+        } else {
+            DedupeMode::Ids
+        }
+    }
+
     proptest! {
         /// An owner that starts anywhere, re-reading from where `rewind`
         /// says, reaches the verdicts of one that read the whole log from
@@ -418,8 +665,7 @@ mod tests {
             cuts in prop::collection::vec(0i64..230, 0..6),
             actions in any::<bool>(),
         ) {
-            let mode = if actions { DedupeMode::IdsAndActions } else { DedupeMode::Ids };
-            let s = settings(mode, span);
+            let s = settings(mode(actions), span);
             let log: Vec<Record> = log.into_iter().filter(|r| r.0 >= origin).collect();
             let whole = decide(s, origin, &log);
             let mut cuts = cuts;
@@ -440,43 +686,41 @@ mod tests {
             }
         }
 
-        /// Memory never exceeds the window: at most `span` entries of each
-        /// kind, and the record just decided.
+        /// The verdicts are the rule's, read by brute force over the log,
+        /// and the window holds exactly the keys of its blocks: each id once,
+        /// each (post, user) with a record the id rule let through once.
         #[test]
-        fn the_window_holds_at_most_span_entries(log in records(), span in 1u64..40) {
-            let mut window = Window::new(settings(DedupeMode::IdsAndActions, span), Some(0));
-            for &(offset, like, event) in &log {
-                if let Some(like) = like {
-                    window.observe(offset, 0, &like, event.map(id));
-                }
-                prop_assert!(window.id_order.len() <= span as usize + 1);
-                prop_assert!(window.action_order.len() <= span as usize + 1);
-                prop_assert!(window.ids.len() <= window.id_order.len());
-                prop_assert!(window.actions.len() <= window.action_order.len());
-            }
-        }
-
-        /// With whole-log knowledge, the skipped records are exactly the
-        /// repeats a brute-force reading of the rule finds.
-        #[test]
-        fn verdicts_follow_the_rule(log in records(), span in 1u64..40) {
-            let s = settings(DedupeMode::IdsAndActions, span);
-            let verdicts = decide(s, 0, &log);
-            for (offset, verdict) in verdicts {
-                let (_, Some(l), e) = *log.iter().find(|r| r.0 == offset).unwrap() else { unreachable!() };
-                let mut earlier = log.iter().filter(|r| r.0 < offset && r.0 >= offset - span as i64);
-                let expected = match e {
-                    Some(e) => earlier
-                        .filter(|r| r.2 == Some(e) && r.1 == Some(l))
-                        .count()
-                        .gt(&0)
-                        .then_some(Skip::EventId),
-                    None => earlier
-                        .rfind(|r| r.2.is_none() && r.1.is_some_and(|x| (x.post_id, x.user_id) == (l.post_id, l.user_id)))
-                        .is_some_and(|r| r.1.unwrap().delta == l.delta)
-                        .then_some(Skip::RepeatAction),
-                };
-                prop_assert_eq!(verdict, expected, "offset {}", offset);
+        fn verdicts_follow_the_rule(
+            log in records(),
+            span in 1u64..40,
+            origin in 0i64..20,
+            actions in any::<bool>(),
+        ) {
+            let s = settings(mode(actions), span);
+            let expected = by_the_rule(s, origin, &log);
+            let mut window = Window::new(s, Some(origin));
+            for &(offset, like, event) in log.iter().filter(|r| r.0 >= origin) {
+                let Some(l) = like else { window.pass(offset); continue };
+                let verdict = window.observe(offset, 0, &l, event.map(id));
+                prop_assert_eq!(verdict, expected[&offset], "offset {}", offset);
+                // Everything of the blocks the window holds now.
+                let block = s.block_len();
+                let start = ((offset.div_euclid(block) - BLOCKS) * block).max(origin);
+                let held: Vec<&Record> = log
+                    .iter()
+                    .filter(|r| r.0 >= start && r.0 <= offset && r.1.is_some())
+                    .collect();
+                let ids: HashSet<(u64, u64, i64, u64)> = held
+                    .iter()
+                    .filter_map(|r| r.2.map(|e| { let x = r.1.unwrap(); (x.post_id, x.user_id, x.delta, e) }))
+                    .collect();
+                let pairs: HashSet<(u64, u64)> = held
+                    .iter()
+                    .filter(|r| expected[&r.0] != Some(Skip::EventId))
+                    .map(|r| { let x = r.1.unwrap(); (x.post_id, x.user_id) })
+                    .collect();
+                let keys = ids.len() + if actions { pairs.len() } else { 0 };
+                prop_assert_eq!(window.table.len(), keys, "offset {}", offset);
             }
         }
     }

@@ -225,16 +225,17 @@ pub struct RunArgs {
 
     /// Records that repeat a like change no count: `ids` skips a record whose event_id an
     /// earlier record of the same post, user and action carries within --dedupe-window;
-    /// `ids-and-actions` also skips an id-less record that repeats the user's last id-less
-    /// action on the post (a like after a like); `off` counts every record. A replay and
-    /// `tally verify` need the same mode and window.
+    /// `ids-and-actions` also skips a record that repeats the user's last action on the post
+    /// (a like after a like, an unlike after an unlike), with or without ids; `off` counts
+    /// every record. A replay and `tally verify` need the same mode and window.
     #[arg(long, env = "TALLY_DEDUPE", default_value = "off", value_parser = dedupe_parser(), help_heading = DEDUPE)]
     pub dedupe: DedupeMode,
 
     /// The dedupe window, in offsets of a partition: a record is compared with the records
-    /// at most this many offsets before it. Each assignment re-reads this many offsets
-    /// below the fence, and each partition remembers up to this many events (at most
-    /// 160 bytes each; docs/design.md sizes it).
+    /// of at least this many offsets before it (up to an eighth more: the window moves in
+    /// eighths). Each assignment re-reads the window below the fence (twice that with
+    /// ids-and-actions), and each partition remembers its records in about 21 bytes each
+    /// (docs/design.md sizes it).
     #[arg(long, env = "TALLY_DEDUPE_WINDOW", value_name = "OFFSETS", default_value_t = DEFAULT_WINDOW, help_heading = DEDUPE)]
     pub dedupe_window: u64,
 

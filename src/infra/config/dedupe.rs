@@ -55,9 +55,13 @@ impl std::str::FromStr for DedupeMode {
 
 /// Default of `--dedupe-window`: offsets per partition.
 pub const DEFAULT_WINDOW: u64 = 1_000_000;
-/// The largest `--dedupe-window`: up to 16 GB per partition at 160 bytes a
+/// The largest `--dedupe-window`: about 2 GB per partition at 21 bytes a
 /// remembered event, more than any consumer should hold.
 pub const MAX_WINDOW: u64 = 100_000_000;
+/// Blocks a window of `--dedupe-window` offsets is cut into: the window
+/// moves a block at a time, so it spans at least `--dedupe-window` offsets
+/// and less than a block more.
+pub const BLOCKS: i64 = 8;
 
 /// `--dedupe` and `--dedupe-window`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,13 +87,30 @@ impl DedupeSettings {
         self.mode != DedupeMode::Off
     }
 
-    /// Where an owner resuming at `resume` re-reads from, so that the window
-    /// of `resume` is whole: never below the origin, since nothing before it
-    /// was ever decided.
+    /// Offsets per block of the window.
+    pub fn block_len(&self) -> i64 {
+        (self.span.max(1) as i64 + BLOCKS - 1) / BLOCKS
+    }
+
+    /// The first offset of the window the record at `offset` is judged by:
+    /// the start of the block [`BLOCKS`] blocks before its own.
+    pub fn window_start(&self, offset: i64) -> i64 {
+        let block = self.block_len();
+        (offset.div_euclid(block) - BLOCKS) * block
+    }
+
+    /// Where an owner resuming at `resume` re-reads from, so that every
+    /// record from `resume` on is judged as a reading from the origin judges
+    /// it: never below the origin, since nothing before it was ever decided.
+    /// The id rule needs the window of `resume`; the action rule of
+    /// `ids-and-actions` also needs the id verdicts of the records in that
+    /// window, whose own windows reach one window further back.
     pub fn rewind(&self, origin: i64, resume: i64) -> i64 {
-        resume
-            .saturating_sub(self.span as i64)
-            .max(origin)
-            .min(resume)
+        let start = self.window_start(resume);
+        let from = match self.mode {
+            DedupeMode::IdsAndActions => self.window_start(start),
+            DedupeMode::Ids | DedupeMode::Off => start,
+        };
+        from.max(origin).min(resume)
     }
 }

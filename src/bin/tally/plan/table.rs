@@ -234,7 +234,7 @@ fn dedupe(out: &mut String, plan: &Plan) {
         &share,
     );
     let reread = n(args.reread_events.unwrap_or(args.consumer_events));
-    let rate = format!("a partition, at {reread} records/s");
+    let rate = format!("a partition, at {reread} records/s (ids; twice with ids-and-actions)");
     let (one, all) = (d.reread_partition_seconds, d.reread_consumer_seconds);
     row(out, "re-read at assignment", &duration(one), &rate);
     let whole = format!("a consumer's {} partitions", d.partitions_per_consumer);
