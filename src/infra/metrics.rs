@@ -810,6 +810,31 @@ mod tests {
     }
 
     #[test]
+    fn the_reread_series_are_served_before_the_first_reread_ends() {
+        let recorder = builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || describe(&[]));
+        let text = handle.render();
+        assert!(
+            text.contains("tally_dedupe_reread_seconds_count 0"),
+            "{text}"
+        );
+        metrics::with_local_recorder(&recorder, || {
+            dedupe_reread(3, Duration::from_secs(7), 1_000);
+            dedupe_reread_done(3, Duration::from_millis(1_500));
+        });
+        let text = handle.render();
+        for series in [
+            "tally_dedupe_reread_seconds_bucket{le=\"2.5\"} 1",
+            "tally_dedupe_reread_seconds_count 1",
+            "tally_dedupe_reread_age_seconds{partition=\"3\"} 0",
+            "tally_dedupe_reread_remaining_offsets{partition=\"3\"} 0",
+        ] {
+            assert!(text.contains(series), "no {series}: {text}");
+        }
+    }
+
+    #[test]
     fn names_follow_prometheus_conventions() {
         let mut seen = std::collections::HashSet::new();
         for &(name, kind, help) in ALL {

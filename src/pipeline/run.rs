@@ -26,6 +26,10 @@
 //!   go on;
 //! * everything is bounded: a partition whose batch is full and still waiting
 //!   stops the consumer from fetching until Redis catches up;
+//! * (dedupe) a partition re-reading the log below its fences to rebuild its
+//!   window holds back only itself: its records fill the window as they
+//!   arrive, are never routed or batched, and every other partition is
+//!   decided and applied meanwhile (see `intake`);
 //! * (live mode) no batch is dispatched while the freeze flag names the next
 //!   generation, and when the generation pointer moves, every batch in flight
 //!   finishes before the keys change; every owned partition then restarts at
@@ -701,6 +705,7 @@ impl Pipeline {
                     self.report_lag_seconds();
                     if self.settings.dedupe.on() {
                         intake::report_windows(&self.owned);
+                        self.report_rereads();
                     }
                 }
                 received = consumer.recv(), if !self.blocked => {
@@ -739,16 +744,22 @@ impl Pipeline {
         let partition = message.partition();
         let timestamp = message.timestamp().to_millis().unwrap_or(0);
         let offset = message.offset();
-        if self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
+        // Ownership changes queued while polling take effect before the
+        // message is looked at.
+        self.apply_rebalances();
+        // Only a message that will be decided is routed: a record re-read
+        // below the fences to rebuild a dedupe window, or one dropped, never
+        // makes the loop wait for the routing registry.
+        if intake::decides(&self.owned, partition, offset)
+            && self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready
+        {
             let cluster = self.applier.keys().groups().is_cluster();
             self.table = self
                 .watch
                 .route_for(partition, offset, timestamp, cluster)
                 .await;
+            self.apply_rebalances();
         }
-        // Ownership changes queued while polling take effect before the
-        // message is looked at.
-        self.apply_rebalances();
         let intake = intake::accept(
             &mut self.owned,
             self.applier.keys().groups(),
@@ -765,6 +776,17 @@ impl Pipeline {
             Intake::Dropped => {}
         }
         Ok(())
+    }
+
+    /// Sets the re-read gauges, and ends the re-reads whose consumer passed
+    /// the fences without a record (see [`intake::report_rereads`]).
+    fn report_rereads(&mut self) {
+        let positions = if intake::rereading(&self.owned) {
+            self.positions()
+        } else {
+            HashMap::new()
+        };
+        intake::report_rereads(&mut self.owned, &positions);
     }
 
     /// Sets each owned partition's lag in seconds.
@@ -850,6 +872,7 @@ impl Pipeline {
             .as_ref()
             .map_or(next - 1, |(_, tracker)| tracker.resume_at() - 1);
         state.fence_ahead = true;
+        state.reread = None;
         state.batch.clear();
         state.letters.clear();
         guard::report_fence_ahead(partition, fence, high);

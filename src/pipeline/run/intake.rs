@@ -16,6 +16,17 @@
 //! every record above the fences is decided as any other owner decides it
 //! (see [`crate::pipeline::dedupe`]); a repeat is covered by the range but
 //! changes no counter.
+//!
+//! The re-read is the partition's own: it holds back what is above that
+//! partition's fences and nothing else. Re-read records are not routed (they
+//! change no counter), take no place in a batch and never block the
+//! consumer, so every other partition goes on taking, batching and applying
+//! meanwhile. What they do share is librdkafka's one queue of prefetched
+//! messages: another partition's records wait behind the re-read records
+//! fetched before them (at most `queued.min.messages` of them, since fetching
+//! pauses above that), not behind the rest of the re-read. A re-read ends when
+//! the window reaches the fences, or when the consumer's position passes them
+//! without a record (transaction markers); its length is timed.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -71,6 +82,20 @@ pub(super) struct Owned {
     pub(super) log_checked_at: Option<Instant>,
     /// The dedupe window, when dedupe is on.
     pub(super) window: Option<Window>,
+    /// The re-read rebuilding the window below the fences, while it runs.
+    pub(super) reread: Option<Reread>,
+}
+
+/// A re-read of the log below a partition's fences, which rebuilds its
+/// dedupe window before anything above them is decided.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Reread {
+    /// When the window was restarted.
+    began: Instant,
+    /// The first offset re-read.
+    from: i64,
+    /// The fences' resume offset, where the re-read ends.
+    resume: i64,
 }
 
 /// What became of a fetched message.
@@ -168,6 +193,7 @@ pub(super) fn apply_changes(
                             fence_ahead,
                             log_checked_at: None,
                             window: None,
+                            reread: None,
                         },
                     );
                     if let Some(state) = owned.get_mut(&a.partition) {
@@ -182,6 +208,7 @@ pub(super) fn apply_changes(
                     metrics::consumer_lag(p, 0);
                     metrics::consumer_lag_seconds(p, 0.0);
                     metrics::dedupe_window(p, 0.0);
+                    metrics::dedupe_reread(p, Duration::ZERO, 0);
                 }
             }
             Rebalanced::Lost => {
@@ -189,6 +216,7 @@ pub(super) fn apply_changes(
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
                     metrics::consumer_lag_seconds(p, 0.0);
+                    metrics::dedupe_reread(p, Duration::ZERO, 0);
                 }
                 owned.clear();
                 health::unassigned();
@@ -236,10 +264,13 @@ pub(super) fn accept(
                 }
                 Err(_) => window.pass(offset),
             }
+            reread_reached(partition, state, offset + 1);
             return Intake::Dropped;
         }
         return Intake::BelowFence;
     }
+    // The first record above the fences: the window has seen all below.
+    reread_reached(partition, state, offset);
     let start = state.next.unwrap_or(offset);
     if state.batch.is_empty() && timestamp > 0 {
         // The latency breakdown samples each batch's first message.
@@ -305,6 +336,7 @@ pub(super) fn accept(
 /// fences the window starts where reading does; the first batch then
 /// re-reads (see `scripts`) unless that is the origin.
 pub(super) fn restart_window(partition: i32, state: &mut Owned, dedupe: DedupeSettings) {
+    state.reread = None;
     if !dedupe.on() {
         state.window = None;
         return;
@@ -322,7 +354,76 @@ pub(super) fn restart_window(partition: i32, state: &mut Owned, dedupe: DedupeSe
             from, resume, "Re-reading the dedupe window below the fences."
         );
         state.pending_seek = Some(from);
+        // A partition stopped with its fence ahead of its log reads nothing.
+        if !state.fence_ahead {
+            state.reread = Some(Reread {
+                began: Instant::now(),
+                from,
+                resume,
+            });
+        }
     }
+}
+
+/// Ends the partition's re-read if `reached`, the offset up to which the
+/// window has seen the log, is at its fences: the next record above them can
+/// be decided. Times it, and says so once.
+fn reread_reached(partition: i32, state: &mut Owned, reached: i64) {
+    let Some(reread) = state.reread.filter(|r| reached >= r.resume) else {
+        return;
+    };
+    state.reread = None;
+    let took = reread.began.elapsed();
+    metrics::dedupe_reread_done(partition, took);
+    info!(
+        partition,
+        offsets = reread.resume - reread.from,
+        seconds = (took.as_secs_f64() * 1000.0).round() / 1000.0,
+        "Dedupe window re-read; deciding the records above the fences."
+    );
+}
+
+/// Sets each owned partition's re-read gauges: the running re-read's age and
+/// the offsets it has left. A re-read whose consumer `positions` show past the
+/// fences ends here: the records below them were all seen, and what lay
+/// between the last one and the fences held no record (transaction markers),
+/// so no record would end it in [`accept`].
+pub(super) fn report_rereads(owned: &mut HashMap<i32, Owned>, positions: &HashMap<i32, i64>) {
+    for (&partition, state) in owned.iter_mut() {
+        // A position read before a pending seek lands is the old one.
+        if state.pending_seek.is_none()
+            && let Some(&position) = positions.get(&partition)
+        {
+            reread_reached(partition, state, position);
+        }
+        let (age, remaining) = match (&state.reread, &state.window) {
+            (Some(reread), Some(window)) => (
+                reread.began.elapsed(),
+                reread.resume - window.next().unwrap_or(reread.from),
+            ),
+            _ => (Duration::ZERO, 0),
+        };
+        metrics::dedupe_reread(partition, age, remaining);
+    }
+}
+
+/// Whether a message of `partition` at `offset` would be decided (taken
+/// into a batch) rather than dropped or used only to rebuild a window: only
+/// such a message needs routing.
+pub(super) fn decides(owned: &HashMap<i32, Owned>, partition: i32, offset: i64) -> bool {
+    owned.get(&partition).is_some_and(|state| {
+        !state.fence_ahead
+            && state.pending_seek.is_none()
+            && state.next.is_none_or(|next| offset >= next)
+    })
+}
+
+/// Whether an owned partition re-reads below its fences from a position
+/// the consumer has taken.
+pub(super) fn rereading(owned: &HashMap<i32, Owned>) -> bool {
+    owned
+        .values()
+        .any(|s| s.reread.is_some() && s.pending_seek.is_none())
 }
 
 /// Sets the dedupe gauges: the time each window covers, and the events all
@@ -378,6 +479,81 @@ impl IdleOwnership {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipeline::consume::Assignment;
+    use crate::pipeline::dedupe::DedupeMode;
+
+    const DEDUPE: DedupeSettings = DedupeSettings {
+        mode: DedupeMode::Ids,
+        span: 400,
+    };
+
+    /// Partition 4 assigned with its fence at 999, counted from `origin`.
+    fn assigned(origin: i64) -> HashMap<i32, Owned> {
+        let mut owned = HashMap::new();
+        let fences = PartitionFences {
+            origin: Some(origin),
+            fences: vec![Some(999)],
+        };
+        let assignment = Assignment {
+            partition: 4,
+            fences: Some(fences),
+            log: None,
+        };
+        let changes = vec![Rebalanced::Assigned(vec![assignment])];
+        apply_changes(
+            &mut owned,
+            &mut Committer::new("t"),
+            &mut 0,
+            1,
+            changes,
+            DEDUPE,
+        );
+        owned
+    }
+
+    #[test]
+    fn an_assignment_rereads_the_window_below_the_fences_until_the_position_passes_them() {
+        let mut owned = assigned(0);
+        let state = &owned[&4];
+        let from = DEDUPE.rewind(0, 1_000);
+        assert!(from < 1_000);
+        assert_eq!(state.pending_seek, Some(from));
+        assert!(
+            state
+                .reread
+                .is_some_and(|r| (r.from, r.resume) == (from, 1_000))
+        );
+        // Before the seek lands, the position is the old one and ends nothing.
+        report_rereads(&mut owned, &HashMap::from([(4, 1_000)]));
+        assert!(owned[&4].reread.is_some());
+        assert!(!rereading(&owned));
+        owned.get_mut(&4).unwrap().pending_seek = None;
+        assert!(rereading(&owned));
+        report_rereads(&mut owned, &HashMap::from([(4, 999)]));
+        assert!(owned[&4].reread.is_some());
+        // Past the last record below the fences, only markers: the re-read is over.
+        report_rereads(&mut owned, &HashMap::from([(4, 1_000)]));
+        assert!(owned[&4].reread.is_none());
+        assert!(!rereading(&owned));
+    }
+
+    #[test]
+    fn only_what_is_decided_is_routed() {
+        let mut owned = assigned(0);
+        // A seek is pending: whatever arrives is dropped.
+        assert!(!decides(&owned, 4, 1_000));
+        owned.get_mut(&4).unwrap().pending_seek = None;
+        assert!(!decides(&owned, 4, 999), "a re-read record");
+        assert!(decides(&owned, 4, 1_000));
+        assert!(!decides(&owned, 5, 1_000), "not owned");
+    }
+
+    #[test]
+    fn a_partition_at_its_origin_rereads_nothing() {
+        let owned = assigned(1_000);
+        assert_eq!(owned[&4].pending_seek, None);
+        assert!(owned[&4].reread.is_none());
+    }
 
     #[test]
     fn idle_ownership_warns_late_then_less_often_and_resets_on_assignment() {
