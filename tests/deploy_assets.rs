@@ -460,6 +460,7 @@ fn every_failure_has_an_alert() {
         "TallyApplyErrors",
         "TallyApplySlow",
         "TallyResyncs",
+        "TallyDedupeRereadSlow",
         "TallyZombieSuspected",
         "TallyRebalanceStorm",
         "TallyNoPartitionsAssigned",
