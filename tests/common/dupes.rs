@@ -1,23 +1,43 @@
 //! A producer that delivers at least once: records with event ids, a share of them published
 //! again (same id, a new offset: some right after the first copy, so in the same batch, some up
-//! to `reach` records of the partition later), id-less double taps and like-like-unlike
-//! sequences, with a truth that counts each like once.
+//! to `reach` records of the partition later), double taps and like-like-unlike sequences, with
+//! a truth that counts each like once.
+//!
+//! A double tap is one action sent twice. What ids its copies carry is the [`Taps`] mix: none
+//! (an app without ids), a fresh id on each copy (what most mobile clients do: every tap is an
+//! event of its own to them), or an id on one copy only (an app upgraded between the taps, a
+//! retry through another path).
 //!
 //! The truth is written as the records are made, from what each one stands for, never from
-//! tally's rule: a repeat adds nothing to it, an id-less action adds what it changes. It holds
-//! for a consumer whose window spans at least `reach` offsets of a partition, so that every
-//! repeat lands within the window of its first copy.
+//! tally's rule: a relay's repeat adds nothing to it, the first copy of a tap adds what the
+//! action changes and every further copy adds nothing, whatever ids they carry. It holds for a
+//! consumer whose window spans at least `reach` offsets of a partition, so that every repeat
+//! lands within the window of its first copy.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::topics::Msg;
+use super::topics::{Msg, produce};
 use super::workload::{LIKE, UNLIKE, encode_like, encode_like_with_id, now_ms};
 
 /// Event time per record: 1,500 records are 7.5 minutes, so repeats land minutes apart.
 const TICK_MS: i64 = 300;
+
+/// Which copies of a tap carry an event id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taps {
+    /// Every way at once: some taps without ids, some with a fresh id on each copy, some with
+    /// an id on one copy only.
+    Mixed,
+    /// Every copy of every tap carries a fresh id of its own, so every record has an id.
+    FreshIds,
+}
 
 /// Records with repeats, and the truth of the likes they stand for.
 pub struct Dupes {
@@ -26,6 +46,7 @@ pub struct Dupes {
     partitions: i32,
     /// How far back (records of its partition) a repeat may reach.
     reach: usize,
+    taps: Taps,
     clock_ms: i64,
     next_id: u64,
     posts: Vec<u64>,
@@ -33,19 +54,35 @@ pub struct Dupes {
     recent: Vec<VecDeque<(Vec<u8>, bool)>>,
     /// Pairs liked with an id, to unlike later.
     liked: Vec<(u64, u64)>,
-    /// Id-less pairs and whether the user likes the post now.
+    /// Tapping pairs and whether the user likes the post now.
     tapping: Vec<((u64, u64), bool)>,
     /// Expected count per post: each like once.
     pub truth: HashMap<u64, i64>,
     /// Records made, repeats included.
     pub records: usize,
-    /// Records that repeat an id, and id-less records that repeat an action.
+    /// Records that repeat an id (a relay publishing again).
     pub id_repeats: usize,
+    /// Records that repeat the user's last action on a post (a tap's second copy), whatever ids
+    /// they carry.
     pub action_repeats: usize,
+    /// Of those, taps whose copies each carry an id of their own.
+    pub fresh_id_repeats: usize,
+    /// Of those, taps with an id on one copy and none on the other.
+    pub mixed_repeats: usize,
 }
 
 impl Dupes {
+    /// Every kind of repeat, taps of every [`Taps::Mixed`] way.
     pub fn new(seed: u64, partitions: i32, reach: usize) -> Dupes {
+        Self::with_taps(seed, partitions, reach, Taps::Mixed)
+    }
+
+    /// Every record with an id: relays' repeats, and taps with a fresh id on each copy.
+    pub fn fresh_ids(seed: u64, partitions: i32, reach: usize) -> Dupes {
+        Self::with_taps(seed, partitions, reach, Taps::FreshIds)
+    }
+
+    fn with_taps(seed: u64, partitions: i32, reach: usize, taps: Taps) -> Dupes {
         let mut rng = StdRng::seed_from_u64(seed);
         let posts = (0..40).map(|_| rng.random_range(1..1u64 << 50)).collect();
         Dupes {
@@ -53,6 +90,7 @@ impl Dupes {
             seed,
             partitions,
             reach,
+            taps,
             clock_ms: now_ms() - 3_600_000,
             next_id: 0,
             posts,
@@ -63,12 +101,28 @@ impl Dupes {
             records: 0,
             id_repeats: 0,
             action_repeats: 0,
+            fresh_id_repeats: 0,
+            mixed_repeats: 0,
         }
     }
 
     /// Records that stand for a like or unlike of their own (each must count once).
     pub fn unique(&self) -> usize {
         self.records - self.id_repeats - self.action_repeats
+    }
+
+    /// One line of what was made, for a test's output.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} records ({} unique): {} repeated ids, {} repeated actions \
+             ({} with fresh ids, {} with an id on one copy)",
+            self.records,
+            self.unique(),
+            self.id_repeats,
+            self.action_repeats,
+            self.fresh_id_repeats,
+            self.mixed_repeats
+        )
     }
 
     fn partition_of(&self, post: u64, user: u64) -> i32 {
@@ -103,11 +157,19 @@ impl Dupes {
                 self.count(post, 1);
                 self.push(&mut out, self.partition_of(post, user), value, true);
             } else if roll < 50 {
+                // The unlike of a pair liked with an id; now and then tapped twice, each copy
+                // with a fresh id.
                 let i = self.rng.random_range(0..self.liked.len());
                 let (post, user) = self.liked.swap_remove(i);
-                let value = self.with_id(post, user, UNLIKE);
                 self.count(post, -1);
-                self.push(&mut out, self.partition_of(post, user), value, true);
+                let p = self.partition_of(post, user);
+                let value = self.with_id(post, user, UNLIKE);
+                self.push(&mut out, p, value, true);
+                if self.rng.random_bool(0.25) {
+                    let again = self.with_id(post, user, UNLIKE);
+                    self.push(&mut out, p, again, true);
+                    self.tap_repeated(true, true);
+                }
             } else if roll < 68 {
                 // A relay publishing again: one of the last records carrying an id of a
                 // partition, often the very last (same batch), else up to `reach` back.
@@ -127,15 +189,12 @@ impl Dupes {
                 self.id_repeats += 1;
                 self.push(&mut out, p as i32, value, true);
             } else if roll < 85 {
-                // A double tap: the user's next action, sent twice without an id.
+                // A double tap: the user's next action, sent twice.
                 let (pair, likes) = self.tap_pair();
                 let action = if likes { UNLIKE } else { LIKE };
                 self.count(pair.0, if likes { -1 } else { 1 });
-                let value = encode_like(pair.0, pair.1, action, self.clock_ms);
-                let p = self.partition_of(pair.0, pair.1);
-                self.push(&mut out, p, value.clone(), false);
-                self.push(&mut out, p, value, false);
-                self.action_repeats += 1;
+                let ids = self.tap_ids();
+                self.double_tap(&mut out, pair, action, ids);
                 self.set_tap(pair, !likes);
             } else {
                 // Like, like, unlike by a user who does not like the post.
@@ -143,16 +202,61 @@ impl Dupes {
                 if likes {
                     continue;
                 }
-                let p = self.partition_of(pair.0, pair.1);
-                let like = encode_like(pair.0, pair.1, LIKE, self.clock_ms);
-                self.push(&mut out, p, like.clone(), false);
-                self.push(&mut out, p, like, false);
-                let unlike = encode_like(pair.0, pair.1, UNLIKE, self.clock_ms);
-                self.push(&mut out, p, unlike, false);
-                self.action_repeats += 1;
+                let ids = self.tap_ids();
+                self.double_tap(&mut out, pair, LIKE, ids);
+                let id = match self.taps {
+                    Taps::Mixed => self.rng.random_bool(0.5),
+                    Taps::FreshIds => true,
+                };
+                let unlike = self.tap_value(pair, UNLIKE, id);
+                self.push(&mut out, self.partition_of(pair.0, pair.1), unlike, id);
             }
         }
         out
+    }
+
+    /// Whether the first and the second copy of a tap carry an id.
+    fn tap_ids(&mut self) -> (bool, bool) {
+        match self.taps {
+            Taps::FreshIds => (true, true),
+            Taps::Mixed => match self.rng.random_range(0..10) {
+                0..4 => (false, false),
+                4..7 => (true, true),
+                7..9 => (true, false),
+                _ => (false, true),
+            },
+        }
+    }
+
+    /// `action` on `pair` twice, each copy with an id of its own or none as `ids` says. An
+    /// id-less tap sends the same bytes twice; a copy with an id is an event of its own, at its
+    /// own time.
+    fn double_tap(&mut self, out: &mut Vec<Msg>, pair: (u64, u64), action: i32, ids: (bool, bool)) {
+        let p = self.partition_of(pair.0, pair.1);
+        let first = self.tap_value(pair, action, ids.0);
+        let second = match ids {
+            (false, false) => first.clone(),
+            (_, id) => self.tap_value(pair, action, id),
+        };
+        self.push(out, p, first, ids.0);
+        self.push(out, p, second, ids.1);
+        self.tap_repeated(ids.0, ids.1);
+    }
+
+    fn tap_value(&mut self, pair: (u64, u64), action: i32, id: bool) -> Vec<u8> {
+        match id {
+            true => self.with_id(pair.0, pair.1, action),
+            false => encode_like(pair.0, pair.1, action, self.clock_ms),
+        }
+    }
+
+    fn tap_repeated(&mut self, first_id: bool, second_id: bool) {
+        self.action_repeats += 1;
+        match (first_id, second_id) {
+            (true, true) => self.fresh_id_repeats += 1,
+            (false, false) => {}
+            _ => self.mixed_repeats += 1,
+        }
     }
 
     fn with_id(&mut self, post: u64, user: u64, action: i32) -> Vec<u8> {
@@ -161,7 +265,7 @@ impl Dupes {
         encode_like_with_id(post, user, action, self.clock_ms, &id)
     }
 
-    /// A known id-less pair, or a new one.
+    /// A known tapping pair, or a new one.
     fn tap_pair(&mut self) -> ((u64, u64), bool) {
         if !self.tapping.is_empty() && self.rng.random_bool(0.6) {
             return self.tapping[self.rng.random_range(0..self.tapping.len())];
@@ -176,5 +280,42 @@ impl Dupes {
         if let Some(entry) = self.tapping.iter_mut().find(|(p, _)| *p == pair) {
             entry.1 = likes;
         }
+    }
+}
+
+/// A producer thread that keeps `Dupes` growing; `stop` returns it with everything produced.
+pub struct DupesStream {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Dupes>,
+}
+
+impl DupesStream {
+    /// Produces `chunk` records, sleeps `pause`, and repeats; once stopped it produces one last
+    /// chunk, so repeats still arrive after whatever fault came last.
+    pub fn start(
+        brokers: &str,
+        topic: &str,
+        mut dupes: Dupes,
+        chunk: usize,
+        pause: Duration,
+    ) -> DupesStream {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (brokers, topic, flag) = (brokers.to_string(), topic.to_string(), stop.clone());
+        let handle = thread::spawn(move || {
+            let mut last = false;
+            while !last {
+                last = flag.load(Ordering::SeqCst);
+                produce(&brokers, &topic, dupes.grow(chunk));
+                thread::sleep(pause);
+            }
+            dupes
+        });
+        DupesStream { stop, handle }
+    }
+
+    /// Stops producing and returns the generator with everything produced.
+    pub fn stop(self) -> Dupes {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.join().expect("producer thread")
     }
 }
