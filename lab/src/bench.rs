@@ -45,6 +45,12 @@
 //! Kafka Streams) reads the whole topic once more, is killed with SIGKILL
 //! half-way and restarted, and every post's count is compared with the truth
 //! ([`kill`]).
+//!
+//! With `--reread WINDOW` (repeatable; `--reread-only` skips the workloads), a
+//! group of `tally run --dedupe ids` processes is scaled 1 → 4 → 1 under load,
+//! and each partition that changes hands is timed from its assignment to its
+//! first apply, beside the re-read of its dedupe window ([`reread`]); the
+//! table has a block of its own.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -70,6 +76,7 @@ mod hotkeys;
 mod kill;
 mod present;
 mod report;
+mod reread;
 mod scale;
 pub(crate) mod services;
 mod stages;
@@ -149,7 +156,24 @@ pub struct BenchConfig {
     #[arg(long, env = "STREAMS_PEER_HOME", value_name = "DIR")]
     pub streams_peer: Option<PathBuf>,
 
-    /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers.
+    /// Measure the re-read of the dedupe window at a rebalance with a window of this many
+    /// offsets, repeatable (--reread 100000 --reread 1000000): a group of `tally run --dedupe
+    /// ids --dedupe-window W` processes scales 1 → 4 → 1 under load on a topic of its own, and
+    /// a table gives each moved partition's time from assignment to first apply and its
+    /// re-read. Not measured unless given.
+    #[arg(long = "reread", value_name = "WINDOW")]
+    pub reread: Vec<u64>,
+
+    /// Events per second produced while the group of `--reread` scales.
+    #[arg(long, default_value_t = 20_000)]
+    pub reread_rate: u64,
+
+    /// Measure `--reread` alone, without the workloads and their table.
+    #[arg(long, requires = "reread")]
+    pub reread_only: bool,
+
+    /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers
+    /// (and the `--reread` table between `reread:begin`/`reread:end`).
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -174,6 +198,13 @@ impl BenchConfig {
                 "latency-secs",
                 "--latency-secs and --naive-max-secs must be at least 1",
             );
+        }
+        let most = tally::pipeline::dedupe::MAX_WINDOW;
+        if self.reread.iter().any(|&w| !(1000..=most).contains(&w)) {
+            return bad("reread", &format!("a window is 1000 to {most} offsets"));
+        }
+        if self.reread_rate == 0 {
+            return bad("reread-rate", "must be at least 1");
         }
         if let Some(problem) = self
             .streams_peer
@@ -426,6 +457,23 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
         env.redis,
         env.dir.display()
     );
+    if !config.reread_only {
+        workloads(&env, &config)?;
+    }
+    if !config.reread.is_empty() {
+        let measured = reread::measure(&env, &config)?;
+        let report = reread::render(&config, &env, &measured)?;
+        println!("{report}");
+        if let Some(path) = &config.out {
+            reread::write_between_markers(path, &report)?;
+            eprintln!("re-read table written to {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// The two workloads, measured and reported.
+fn workloads(env: &Env, config: &BenchConfig) -> Result<()> {
     let shape = TrafficShape {
         posts: config.posts,
         zipf_exponent: config.zipf,
@@ -443,7 +491,7 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
         config.zipf,
         thousands(config.posts)
     );
-    let zipf = workload(&env, &config, "zipf", title, &shape, &latency)?;
+    let zipf = workload(env, config, "zipf", title, &shape, &latency)?;
     // The viral reel gets `viral_rate` likes/s at the latency phase's rate,
     // which both workloads share.
     let rate = zipf.tally.latency.map_or(1, |l| l.target_rate).max(1);
@@ -463,8 +511,8 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
         rate: Some(rate),
         ..latency
     };
-    let viral = workload(&env, &config, "viral", title, &shape, &latency)?;
-    let report = render(&config, &env, &[zipf, viral])?;
+    let viral = workload(env, config, "viral", title, &shape, &latency)?;
+    let report = render(config, env, &[zipf, viral])?;
     println!("{report}");
     if let Some(path) = &config.out {
         write_between_markers(path, &report)?;
