@@ -2,8 +2,11 @@
 //!
 //! Posts are drawn from a Zipf distribution (a few posts get most likes), one
 //! viral post takes a fixed share of all events, and a fraction of events are
-//! unlikes of a like seen recently, so counts behave like real ones. The
-//! generator keeps its own ground truth of what it produced.
+//! unlikes of a like seen recently, so counts behave like real ones. Users take
+//! turns: each like is by the next user, so no user likes a post twice within
+//! `users` likes, and a like after a like (which `tally run --dedupe
+//! ids-and-actions` rightly counts once) never comes up. The generator keeps
+//! its own ground truth of what it produced.
 
 use std::collections::VecDeque;
 
@@ -20,7 +23,7 @@ pub struct TrafficShape {
     pub posts: u64,
     /// Zipf exponent of post popularity.
     pub zipf_exponent: f64,
-    /// Number of distinct users.
+    /// Number of distinct users; they like in turns.
     pub users: u64,
     /// Fraction of events that undo a recent like.
     pub unlike_ratio: f64,
@@ -67,6 +70,8 @@ pub struct Traffic {
     zipf: Zipf<f64>,
     rng: SmallRng,
     recent_likes: VecDeque<(u64, u64)>,
+    /// Likes made so far, from a seeded start: picks the next user.
+    turn: u64,
 }
 
 impl Traffic {
@@ -74,11 +79,14 @@ impl Traffic {
     pub fn new(shape: TrafficShape, seed: u64) -> Self {
         use rand::SeedableRng;
         let zipf = Zipf::new(shape.posts as f64, shape.zipf_exponent).expect("valid Zipf shape");
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let turn = rng.random_range(0..shape.users.max(1));
         Self {
             shape,
             zipf,
-            rng: SmallRng::seed_from_u64(seed),
+            rng,
             recent_likes: VecDeque::with_capacity(4096),
+            turn,
         }
     }
 
@@ -110,7 +118,8 @@ impl Traffic {
                 p
             }
         };
-        let user_id = self.rng.random_range(1..=self.shape.users);
+        let user_id = self.turn % self.shape.users.max(1) + 1;
+        self.turn += 1;
         if self.recent_likes.len() == self.recent_likes.capacity() {
             self.recent_likes.pop_front();
         }
@@ -160,6 +169,26 @@ mod tests {
         assert!(viral > top_other, "viral {viral} vs {top_other}");
         assert!((5_000..15_000).contains(&unlikes), "{unlikes} unlikes");
         assert!(counts.values().all(|&c| c >= 0));
+    }
+
+    #[test]
+    fn no_user_likes_a_post_twice_within_a_turn_of_the_users() {
+        let mut traffic = Traffic::new(
+            TrafficShape {
+                posts: 50,
+                viral_share: 0.3,
+                users: 200_000,
+                ..TrafficShape::default()
+            },
+            3,
+        );
+        let mut liked = std::collections::HashSet::new();
+        for _ in 0..150_000 {
+            let e = traffic.next_event();
+            if e.action == Action::Like {
+                assert!(liked.insert((e.post_id, e.user_id)), "{e:?} liked twice");
+            }
+        }
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub struct ProduceConfig {
     #[arg(long, default_value_t = 1.1)]
     pub zipf: f64,
 
-    /// Number of distinct users (ids 1..=users).
+    /// Number of distinct users (ids 1..=users); each like is by the next user in turn.
     #[arg(long, default_value_t = 10_000_000)]
     pub users: u64,
 
