@@ -23,8 +23,9 @@
 //! consumer, so every other partition goes on taking, batching and applying
 //! meanwhile. What they do share is librdkafka's one queue of prefetched
 //! messages: another partition's records wait behind the re-read records
-//! fetched before them (at most `queued.min.messages` of them, since fetching
-//! pauses above that), not behind the rest of the re-read. A re-read ends when
+//! queued before them, and since librdkafka stops fetching every partition
+//! while that queue holds `queued.min.messages` (100,000), behind about that
+//! many at most, never behind the rest of the re-read. A re-read ends when
 //! the window reaches the fences, or when the consumer's position passes them
 //! without a record (transaction markers); its length is timed.
 
