@@ -9,6 +9,11 @@
 //!   [`tally::pipeline::apply::script_call`], the function the applier sends
 //!   every script with, and packing it into the bytes sent to Redis.
 //!   Throughput is counter increments.
+//! * `dedupe window`: [`tally::pipeline::dedupe::Window::observe`] over eight
+//!   full windows of the default size (one per partition, records dealt to
+//!   them in turn, every record with an event id of its own), in both modes:
+//!   what dedupe adds to a record once its windows are full.
+//!   Throughput is records.
 //!
 //! Events come from [`tally_lab::generate::Traffic`] with the benchmark's Zipf
 //! shape (s = 1.1 over 1,000,000 posts), so hash-map sizes and key lengths are
@@ -21,6 +26,8 @@ use tally::domain::routing::{KeyLayout, bucket_of};
 use tally::infra::config::{DEFAULT_BATCH_MAX_EVENTS, DEFAULT_BATCH_MAX_KEYS, DEFAULT_BUCKETS};
 use tally::pipeline::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
+use tally::pipeline::decode::{EventId, Like};
+use tally::pipeline::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings, Window};
 use tally_lab::generate::{Traffic, TrafficShape};
 
 const EVENTS: usize = 200_000;
@@ -138,5 +145,78 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// Partitions of the dedupe benchmark, as in `tally-lab bench`.
+const PARTITIONS: usize = 8;
+
+/// Eight windows, each shown `offsets` records of its own from offset 0.
+struct Windows {
+    windows: Vec<Window>,
+    /// Records shown so far, over all windows.
+    shown: u64,
+}
+
+impl Windows {
+    fn new(mode: DedupeMode) -> Self {
+        let settings = DedupeSettings {
+            mode,
+            span: DEFAULT_WINDOW,
+        };
+        Windows {
+            windows: (0..PARTITIONS)
+                .map(|_| Window::new(settings, Some(0)))
+                .collect(),
+            shown: 0,
+        }
+    }
+
+    /// Shows the windows `likes`, dealt to them in turn, each with a fresh id
+    /// and a user of its own (so no record repeats another); returns the
+    /// records skipped.
+    fn show(&mut self, likes: &[Like]) -> usize {
+        let mut skipped = 0;
+        for like in likes {
+            let n = self.shown;
+            self.shown += 1;
+            let partition = (n % PARTITIONS as u64) as usize;
+            let offset = (n / PARTITIONS as u64) as i64;
+            let id = EventId::of(&n.to_le_bytes());
+            let like = Like {
+                user_id: n,
+                ..*like
+            };
+            let window = &mut self.windows[partition];
+            skipped += usize::from(window.observe(offset, offset, &like, Some(id)).is_some());
+        }
+        skipped
+    }
+}
+
+fn dedupe(c: &mut Criterion, payloads: &[Vec<u8>]) {
+    let likes: Vec<Like> = payloads
+        .iter()
+        .filter_map(|p| tally::pipeline::decode::decode(Some(p)).ok())
+        .collect();
+    let mut group = c.benchmark_group("dedupe window");
+    group.throughput(Throughput::Elements(likes.len() as u64));
+    for mode in [DedupeMode::Ids, DedupeMode::IdsAndActions] {
+        let mut windows = Windows::new(mode);
+        // Full windows first: a window and a block more of every partition.
+        let fill = (DEFAULT_WINDOW + DEFAULT_WINDOW / 8) as usize * PARTITIONS;
+        for _ in 0..fill.div_ceil(likes.len()) {
+            windows.show(&likes);
+        }
+        group.bench_function(
+            format!("{mode}, {PARTITIONS} full windows of {DEFAULT_WINDOW} offsets"),
+            |b| b.iter(|| windows.show(black_box(&likes))),
+        );
+    }
+    group.finish();
+}
+
+fn all(c: &mut Criterion) {
+    bench(c);
+    dedupe(c, &encoded_events());
+}
+
+criterion_group!(benches, all);
 criterion_main!(benches);

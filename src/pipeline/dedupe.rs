@@ -101,6 +101,14 @@ const TAGS: i64 = 128;
 /// The seed of (post, user) hashes, so they never meet keyed ids.
 const PAIR_SEED: u64 = 0x7a11_7a11_0dd5_eed5;
 
+/// A record's keys in the window's table (see [`Window::prepare`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Keys {
+    id: Option<Key>,
+    pair: Option<Key>,
+    liked: bool,
+}
+
 /// What one block of the window remembers, for the gauges.
 #[derive(Debug, Clone, Copy, Default)]
 struct BlockStats {
@@ -164,25 +172,47 @@ impl Window {
         like: &Like,
         id: Option<EventId>,
     ) -> Option<Skip> {
-        self.pass(offset);
+        let keys = self.prepare(like, id);
+        self.decide(offset, timestamp_ms, keys)
+    }
+
+    /// The record's keys, with the table slots they will be looked up in
+    /// already asked for: work done between this and [`Window::decide`]
+    /// (routing the record, say) overlaps the wait for memory, which is most
+    /// of what a full window costs a record.
+    pub fn prepare(&self, like: &Like, id: Option<EventId>) -> Keys {
         let mode = self.settings.mode;
-        if mode == DedupeMode::Off {
-            return None;
+        let keys = Keys {
+            id: id
+                .filter(|_| mode != DedupeMode::Off)
+                .map(|id| id_key(id, like)),
+            pair: (mode == DedupeMode::IdsAndActions).then(|| pair_key(like)),
+            liked: like.delta > 0,
+        };
+        for key in keys.id.iter().chain(keys.pair.iter()) {
+            self.table.touch(*key);
         }
+        keys
+    }
+
+    /// Decides the record at `offset` whose keys [`Window::prepare`] gave,
+    /// and remembers it. `None`: it counts.
+    pub fn decide(&mut self, offset: i64, timestamp_ms: i64, keys: Keys) -> Option<Skip> {
+        self.pass(offset);
         let tag = (self.block.unwrap_or(0).rem_euclid(TAGS) as u8) << 1;
         let mut remembered = false;
-        if let Some(id) = id {
+        if let Some(id) = keys.id {
             remembered = true;
-            if self.table.upsert(id_key(id, like), tag).is_some() {
+            if self.table.upsert(id, tag).is_some() {
                 self.remember(timestamp_ms);
                 return Some(Skip::EventId);
             }
         }
         let mut verdict = None;
-        if mode == DedupeMode::IdsAndActions {
+        if let Some(pair) = keys.pair {
             remembered = true;
-            let liked = u8::from(like.delta > 0);
-            let last = self.table.upsert(pair_key(like), tag | liked);
+            let liked = u8::from(keys.liked);
+            let last = self.table.upsert(pair, tag | liked);
             if last.is_some_and(|byte| byte & 1 == liked) {
                 verdict = Some(Skip::RepeatAction);
             }
@@ -216,11 +246,15 @@ impl Window {
             self.table.clear();
             self.blocks = [BlockStats::default(); LIVE];
         } else {
+            // Which caller's bytes (tag and action) have left: decided once
+            // per tag here rather than once per slot in the sweep.
             let now_tag = now.rem_euclid(TAGS);
-            self.table.retain(|byte| {
-                let age = (now_tag - i64::from(byte >> 1)).rem_euclid(TAGS);
-                age + gap <= BLOCKS
-            });
+            let mut keep = [false; 256];
+            for (byte, kept) in keep.iter_mut().enumerate() {
+                let age = (now_tag - (byte >> 1) as i64).rem_euclid(TAGS);
+                *kept = age + gap <= BLOCKS;
+            }
+            self.table.retain(|byte| keep[usize::from(byte)]);
             for b in now + 1..=block {
                 self.blocks[b.rem_euclid(LIVE as i64) as usize] = BlockStats::default();
             }

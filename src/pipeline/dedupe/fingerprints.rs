@@ -16,9 +16,10 @@
 //! therefore stop at the first slot closer to its home than the probe is,
 //! and a key is found exactly when an entry with its home, its four home
 //! bits and its fingerprint is there: two keys are confused only when they
-//! agree on [`FP_BITS`] + log2(full size) bits of their hash. Removal shifts
-//! the entries after a hole back by one, which keeps the order, so the
-//! table never holds tombstones.
+//! agree on [`FP_BITS`] + log2(full size) bits of their hash. Removal
+//! ([`Fingerprints::retain`]) moves the entries kept back towards their
+//! homes in one pass, which keeps the order, so the table never holds
+//! tombstones.
 
 /// Bits of the hash's low half an entry keeps.
 pub(super) const FP_BITS: u32 = 44;
@@ -36,6 +37,40 @@ const DISTANCE_SHIFT: u32 = 8;
 const DISTANCE_MASK: u64 = 0xff << DISTANCE_SHIFT;
 const USER_MASK: u64 = 0xff;
 
+/// The slots of a table: an anonymous mapping the kernel is asked to back
+/// with huge pages. Lookups land anywhere in tables of tens of megabytes per
+/// partition, and with 4 KiB pages nearly every one also misses the TLB; a
+/// 2 MiB page covers 262,144 slots. Where the kernel has no huge pages the
+/// advice is ignored and the table works the same.
+#[derive(Debug)]
+struct Slots(memmap2::MmapMut);
+
+impl Slots {
+    fn zeroed(len: usize) -> Slots {
+        let bytes = len.max(1) * size_of::<u64>();
+        let map = memmap2::MmapMut::map_anon(bytes).unwrap_or_else(|error| {
+            panic!("cannot map {bytes} bytes for a dedupe window: {error}")
+        });
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Slots(map)
+    }
+}
+
+impl std::ops::Deref for Slots {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+impl std::ops::DerefMut for Slots {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        bytemuck::cast_slice_mut(&mut self.0)
+    }
+}
+
 /// A key to remember: a 128-bit hash of what it names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Key(pub(super) u128);
@@ -46,7 +81,7 @@ pub(super) type Byte = u8;
 /// A set of keys, each with a byte of the caller's.
 #[derive(Debug)]
 pub(super) struct Fingerprints {
-    slots: Vec<u64>,
+    slots: Slots,
     len: usize,
     /// Slots at the full size; a multiple of `1 << LEVELS`.
     full: usize,
@@ -62,7 +97,7 @@ impl Fingerprints {
         let unit = 1usize << LEVELS;
         let full = ((most as f64 / LOAD).ceil() as usize).div_ceil(unit).max(1) * unit;
         Fingerprints {
-            slots: vec![0; full >> LEVELS],
+            slots: Slots::zeroed(full >> LEVELS),
             len: 0,
             full,
             level: LEVELS,
@@ -78,7 +113,7 @@ impl Fingerprints {
 
     /// Bytes the slots take on the heap.
     pub(super) fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * size_of::<u64>()
+        self.slots.len() * size_of::<u64>()
     }
 
     /// Entries the table had to drop (see [`Fingerprints::insert`]).
@@ -99,70 +134,79 @@ impl Fingerprints {
         (home, (fp << LEVELS) | low)
     }
 
-    fn next(&self, i: usize) -> usize {
-        if i + 1 == self.slots.len() { 0 } else { i + 1 }
+    /// Loads the key's home slot, so that the lookups of one record, when
+    /// each touches its keys first, wait for memory together rather than one
+    /// after the other.
+    pub(super) fn touch(&self, key: Key) {
+        let home = self.locate(key).0 >> self.level;
+        std::hint::black_box(self.slots[home]);
     }
 
     /// Sets the byte of `key`, adding the key when it is new; returns the
     /// byte it had.
     pub(super) fn upsert(&mut self, key: Key, byte: Byte) -> Option<Byte> {
         let (full_home, ident) = self.locate(key);
+        let slots: &mut [u64] = &mut self.slots;
+        let size = slots.len();
         let mut i = full_home >> self.level;
         let mut distance = 0u64;
         loop {
-            let entry = self.slots[i];
+            let entry = slots[i];
             if entry == 0 || distance_of(entry) < distance {
                 break;
             }
             if distance_of(entry) == distance && entry >> IDENT_SHIFT == ident {
-                self.slots[i] = (entry & !USER_MASK) | u64::from(byte);
+                slots[i] = (entry & !USER_MASK) | u64::from(byte);
                 return Some((entry & USER_MASK) as Byte);
             }
-            i = self.next(i);
+            i = if i + 1 == size { 0 } else { i + 1 };
             distance += 1;
         }
-        if self.level > 0 && (self.len + 1) as f64 > LOAD * self.slots.len() as f64 {
+        let entry = (ident << IDENT_SHIFT) | u64::from(byte);
+        if self.level > 0 && (self.len + 1) as f64 > LOAD * size as f64 {
             self.grow();
+            self.insert(full_home >> self.level, 0, entry);
+        } else {
+            // The probe stopped where the key belongs.
+            self.insert(i, distance, entry);
         }
-        self.insert(
-            full_home >> self.level,
-            (ident << IDENT_SHIFT) | u64::from(byte),
-        );
         None
     }
 
-    /// Places an entry (without its distance) from `home` on, moving richer
-    /// entries along. An entry that would lie more than [`MAX_DISTANCE`]
-    /// from its home is dropped and counted: at a load of at most [`LOAD`]
-    /// over a uniform hash that does not happen in practice, but a table
-    /// must not loop or fail on it.
-    fn insert(&mut self, home: usize, entry: u64) {
-        if self.len == self.slots.len() {
+    /// Places an entry (without its distance) `distance` slots past its home,
+    /// at `at`, moving richer entries along. An entry that would lie more
+    /// than [`MAX_DISTANCE`] from its home is dropped and counted: at a load
+    /// of at most [`LOAD`] over a uniform hash that does not happen in
+    /// practice, but a table must not loop or fail on it.
+    fn insert(&mut self, at: usize, distance: u64, entry: u64) {
+        let slots: &mut [u64] = &mut self.slots;
+        let size = slots.len();
+        if self.len == size {
             self.forgotten += 1;
             return;
         }
         self.len += 1;
         let mut carried = entry;
-        let mut i = home;
-        let mut distance = 0u64;
+        let mut i = at;
+        let mut distance = distance;
         loop {
             if distance > MAX_DISTANCE {
                 self.len -= 1;
                 self.forgotten += 1;
                 return;
             }
-            let there = self.slots[i];
+            let there = slots[i];
             if there == 0 {
-                self.slots[i] = carried | (distance << DISTANCE_SHIFT);
+                slots[i] = carried | (distance << DISTANCE_SHIFT);
                 return;
             }
             let theirs = distance_of(there);
             if theirs < distance {
-                self.slots[i] = carried | (distance << DISTANCE_SHIFT);
+                slots[i] = carried | (distance << DISTANCE_SHIFT);
                 carried = there & !DISTANCE_MASK;
                 distance = theirs;
             }
-            i = self.next(i);
+            i = if i + 1 == size { 0 } else { i + 1 };
             distance += 1;
         }
     }
@@ -170,7 +214,10 @@ impl Fingerprints {
     /// Doubles the table: each entry's home in the larger table is its
     /// home now with one more of its stored home bits.
     fn grow(&mut self) {
-        let old = std::mem::replace(&mut self.slots, vec![0; self.full >> (self.level - 1)]);
+        let old = std::mem::replace(
+            &mut self.slots,
+            Slots::zeroed(self.full >> (self.level - 1)),
+        );
         self.level -= 1;
         self.len = 0;
         let size = old.len();
@@ -180,39 +227,51 @@ impl Fingerprints {
             }
             let home = (at + size - distance_of(entry) as usize) % size;
             let bit = ((entry >> IDENT_SHIFT) >> self.level) & 1;
-            self.insert(home * 2 + bit as usize, entry & !DISTANCE_MASK);
+            self.insert(home * 2 + bit as usize, 0, entry & !DISTANCE_MASK);
         }
     }
 
-    /// Removes every entry whose byte `keep` refuses.
+    /// Removes every entry whose byte `keep` refuses, in one pass: each
+    /// cluster (a run of occupied slots) is walked from its first slot, and
+    /// every entry kept moves back to the first free slot at or after its
+    /// home. Entries of a cluster lie in the order of their homes (the Robin
+    /// Hood order), so the moved ones keep that order, and no slot is
+    /// visited more than twice however many entries leave.
     pub(super) fn retain(&mut self, mut keep: impl FnMut(Byte) -> bool) {
-        let mut i = 0;
-        while i < self.slots.len() {
-            let entry = self.slots[i];
-            if entry != 0 && !keep((entry & USER_MASK) as Byte) {
-                self.remove_at(i);
-                // The slot now holds the entry that followed: look again.
+        let slots: &mut [u64] = &mut self.slots;
+        let size = slots.len();
+        // A cluster never wraps past an empty slot: start after one.
+        let Some(start) = slots.iter().position(|&e| e == 0) else {
+            return;
+        };
+        let mut removed = 0;
+        // Positions are counted from `start` on without wrapping, so that a
+        // cluster running over the table's end stays in order.
+        let mut free = start + 1;
+        let mut i = start;
+        for at in start + 1..start + size {
+            i = if i + 1 == size { 0 } else { i + 1 };
+            let entry = slots[i];
+            if entry == 0 {
+                free = at + 1;
                 continue;
             }
-            i += 1;
-        }
-    }
-
-    /// Empties the slot at `i` and shifts the entries after it back by one,
-    /// up to the next empty slot or entry at its home.
-    fn remove_at(&mut self, i: usize) {
-        let mut hole = i;
-        loop {
-            let after = self.next(hole);
-            let entry = self.slots[after];
-            if entry == 0 || distance_of(entry) == 0 {
-                self.slots[hole] = 0;
-                break;
+            if !keep((entry & USER_MASK) as Byte) {
+                slots[i] = 0;
+                removed += 1;
+                continue;
             }
-            self.slots[hole] = entry - (1 << DISTANCE_SHIFT);
-            hole = after;
+            let home = at - distance_of(entry) as usize;
+            let to = home.max(free);
+            free = to + 1;
+            if to != at {
+                slots[i] = 0;
+                let j = if to >= size { to - size } else { to };
+                let distance = (to - home) as u64;
+                slots[j] = (entry & !DISTANCE_MASK) | (distance << DISTANCE_SHIFT);
+            }
         }
-        self.len -= 1;
+        self.len -= removed;
     }
 
     /// Removes every entry.

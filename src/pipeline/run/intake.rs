@@ -280,11 +280,18 @@ pub(super) fn accept(
     }
     match decoder.identified(message.payload(), timestamp) {
         Ok((like, event_id)) => {
-            let skip = state
+            // The window's memory is asked for first, and waited for only
+            // after the record is routed.
+            let keys = state
                 .window
-                .as_mut()
+                .as_ref()
                 .filter(|w| w.expects(offset))
-                .and_then(|w| w.observe(offset, timestamp, &like, event_id));
+                .map(|w| w.prepare(&like, event_id));
+            let id = routes.counter_of(partition, offset, like.post_id, like.user_id, timestamp);
+            let skip = match (keys, state.window.as_mut()) {
+                (Some(keys), Some(window)) => window.decide(offset, timestamp, keys),
+                _ => None,
+            };
             if let Some(reason) = skip {
                 // Offsets an earlier owner applied were counted there.
                 if state
@@ -299,7 +306,6 @@ pub(super) fn accept(
                 state.buffered(timestamp);
                 return Intake::Taken;
             }
-            let id = routes.counter_of(partition, offset, like.post_id, like.user_id, timestamp);
             let already_in = state.known.as_ref().is_some_and(|(_, t)| {
                 offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
             });
