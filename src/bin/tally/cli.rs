@@ -91,3 +91,37 @@ pub enum LogFormat {
     /// One JSON object per line: timestamp, level, target, message and the event's fields.
     Json,
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::Cli;
+    use crate::run::{completions, man_page};
+
+    #[test]
+    fn completions_render_for_every_shell() {
+        use clap::ValueEnum as _;
+        for &shell in clap_complete::Shell::value_variants() {
+            let script = String::from_utf8(completions(shell, Cli::command())).unwrap();
+            for word in ["tally", "rebucket", "log-format"] {
+                assert!(script.contains(word), "{shell} completions lack {word}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_manual_page_renders() {
+        let page = String::from_utf8(man_page(Cli::command()).unwrap()).unwrap();
+        assert!(page.starts_with(".ie \\n(.g .ds Aq"), "not roff:\n{page}");
+        assert!(page.contains(".TH tally 1"), "{page}");
+        for word in ["rebucket", "log\\-format", env!("CARGO_PKG_VERSION")] {
+            assert!(page.contains(word), "the page lacks {word}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        clap_mangen::generate_to(Cli::command(), dir.path()).unwrap();
+        for page in ["tally.1", "tally-run.1", "tally-docs-man.1"] {
+            assert!(dir.path().join(page).exists(), "no {page}");
+        }
+    }
+}

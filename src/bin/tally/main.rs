@@ -21,6 +21,7 @@ mod reads;
 mod run;
 mod serve;
 mod settings;
+mod signal;
 
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
@@ -69,7 +70,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Config(run::ConfigCommand::Print(_)) => {
             run::print_config(sub.subcommand_matches("print").expect("print has settings"))
         }
-        Command::Docs(docs) => run::docs(docs),
+        Command::Docs(docs) => run::docs(docs, Cli::command()),
         Command::Inspect(inspect) => inspect::inspect(inspect, sub).await,
         Command::Count(args) => reads::count(&args, sub).await,
         Command::Serve(args) => serve::serve(args, sub).await,

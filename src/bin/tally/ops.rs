@@ -14,9 +14,9 @@ use tally::ops::verify::{Report, VerifyOptions};
 
 use crate::errors::Problems;
 use crate::progress::Progress;
-use crate::run::{run_settings, shutdown_on_signal};
 use crate::settings::layers::ConfigArg;
-use crate::settings::{RegistryWaitArgs, RunArgs, StoreArgs};
+use crate::settings::{RegistryWaitArgs, RunArgs, StoreArgs, run_settings};
+use crate::signal::shutdown_on_signal;
 
 /// Settings of `tally promote` and `tally demote`.
 #[derive(Clone, Args)]

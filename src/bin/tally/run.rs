@@ -4,11 +4,11 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 
-use clap::{ArgMatches, CommandFactory as _, Subcommand};
-use tokio_util::sync::CancellationToken;
+use clap::{ArgMatches, Subcommand};
 
 use crate::errors::Problems;
-use crate::settings::{self, RunArgs};
+use crate::settings::{self, RunArgs, run_settings};
+use crate::signal::shutdown_on_signal;
 
 /// `tally config ...`.
 #[derive(Subcommand)]
@@ -45,30 +45,6 @@ pub enum Docs {
     },
 }
 
-/// The settings `matches` name with their variables and file, checked,
-/// secrets read.
-pub fn run_settings(matches: &ArgMatches) -> anyhow::Result<tally::infra::config::RunSettings> {
-    let args = settings::load(matches).map_err(Problems)?;
-    Ok(args.settings().map_err(Problems)?)
-}
-
-/// A token cancelled on SIGINT or SIGTERM.
-pub fn shutdown_on_signal() -> CancellationToken {
-    let shutdown = CancellationToken::new();
-    let cancel = shutdown.clone();
-    tally::infra::tasks::spawn("signals", async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("Signal received; shutting down.");
-        cancel.cancel();
-    });
-    shutdown
-}
-
 /// `tally run`: serves the probes when asked, then counts until a signal.
 pub async fn run(matches: &ArgMatches) -> anyhow::Result<()> {
     let settings = run_settings(matches)?;
@@ -97,35 +73,34 @@ pub fn print_config(matches: &ArgMatches) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `tally docs ...`.
-pub fn docs(docs: Docs) -> anyhow::Result<()> {
+/// `tally docs ...`, where `cli` is the command line's definition that the
+/// completions and manual pages are rendered from.
+pub fn docs(docs: Docs, cli: clap::Command) -> anyhow::Result<()> {
     match docs {
         Docs::HashVectors => print!("{}", hash_vectors_table()),
         Docs::Config => print!("{}", settings::show::settings_table()),
         Docs::Metrics => print!("{}", metrics_table()),
         Docs::Acl => print!("{}", crate::acl::table()),
-        Docs::Completions { shell } => std::io::stdout().write_all(&completions(shell))?,
-        Docs::Man { out_dir: None } => std::io::stdout().write_all(&man_page()?)?,
-        Docs::Man { out_dir: Some(dir) } => {
-            clap_mangen::generate_to(crate::cli::Cli::command(), &dir).map_err(|e| {
-                anyhow::anyhow!("cannot write the manual pages to {}: {e}", dir.display())
-            })?
-        }
+        Docs::Completions { shell } => std::io::stdout().write_all(&completions(shell, cli))?,
+        Docs::Man { out_dir: None } => std::io::stdout().write_all(&man_page(cli)?)?,
+        Docs::Man { out_dir: Some(dir) } => clap_mangen::generate_to(cli, &dir).map_err(|e| {
+            anyhow::anyhow!("cannot write the manual pages to {}: {e}", dir.display())
+        })?,
     }
     Ok(())
 }
 
-/// The completion script of `shell` for every command and flag.
-fn completions(shell: clap_complete::Shell) -> Vec<u8> {
+/// The completion script of `shell` for every command and flag of `cli`.
+pub fn completions(shell: clap_complete::Shell, mut cli: clap::Command) -> Vec<u8> {
     let mut script = Vec::new();
-    clap_complete::generate(shell, &mut crate::cli::Cli::command(), "tally", &mut script);
+    clap_complete::generate(shell, &mut cli, "tally", &mut script);
     script
 }
 
-/// tally(1): the commands, the global flags, the version.
-fn man_page() -> std::io::Result<Vec<u8>> {
+/// tally(1) from `cli`: the commands, the global flags, the version.
+pub fn man_page(cli: clap::Command) -> std::io::Result<Vec<u8>> {
     let mut page = Vec::new();
-    clap_mangen::Man::new(crate::cli::Cli::command()).render(&mut page)?;
+    clap_mangen::Man::new(cli).render(&mut page)?;
     Ok(page)
 }
 
@@ -171,32 +146,6 @@ mod tests {
             design.contains(&hash_vectors_table()),
             "docs/design.md's hash table is stale; regenerate it with `tally docs hash-vectors`"
         );
-    }
-
-    #[test]
-    fn completions_render_for_every_shell() {
-        use clap::ValueEnum as _;
-        for &shell in clap_complete::Shell::value_variants() {
-            let script = String::from_utf8(completions(shell)).unwrap();
-            for word in ["tally", "rebucket", "log-format"] {
-                assert!(script.contains(word), "{shell} completions lack {word}");
-            }
-        }
-    }
-
-    #[test]
-    fn the_manual_page_renders() {
-        let page = String::from_utf8(man_page().unwrap()).unwrap();
-        assert!(page.starts_with(".ie \\n(.g .ds Aq"), "not roff:\n{page}");
-        assert!(page.contains(".TH tally 1"), "{page}");
-        for word in ["rebucket", "log\\-format", env!("CARGO_PKG_VERSION")] {
-            assert!(page.contains(word), "the page lacks {word}");
-        }
-        let dir = tempfile::tempdir().unwrap();
-        clap_mangen::generate_to(crate::cli::Cli::command(), dir.path()).unwrap();
-        for page in ["tally.1", "tally-run.1", "tally-docs-man.1"] {
-            assert!(dir.path().join(page).exists(), "no {page}");
-        }
     }
 
     #[test]

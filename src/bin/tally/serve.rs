@@ -227,7 +227,7 @@ pub async fn serve(args: ServeArgs, matches: &clap::ArgMatches) -> Result<()> {
     let metrics = tally::infra::metrics::install()?;
     tally::infra::metrics::describe_reads();
     info!(listen = %args.listen, "Serving counts.");
-    let shutdown = crate::run::shutdown_on_signal();
+    let shutdown = crate::signal::shutdown_on_signal();
     tally::infra::http::spawn_upkeep(metrics.clone(), shutdown.clone());
     tally::infra::http::serve(listener, router(reader, Some(metrics), &limits), shutdown).await??;
     Ok(())

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
-use clap::{Args, FromArgMatches};
+use clap::{ArgMatches, Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
 use tally::infra::config::{
     self as lib, Batching, ConfigError, GroupProtocol, HotSettings, KafkaSecurity,
@@ -24,6 +24,8 @@ use tally::infra::config::{
 use tally::infra::security::{SaslMechanism, SecurityProtocol};
 use tally::infra::store::ReplicaWait;
 use tally::pipeline::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings};
+
+use crate::errors::Problems;
 
 pub mod layers;
 pub mod show;
@@ -451,6 +453,13 @@ impl RunArgs {
             key_location: self.kafka_ssl_key_location.clone(),
         })
     }
+}
+
+/// The settings `matches` name with their variables and file, checked,
+/// secrets read.
+pub fn run_settings(matches: &ArgMatches) -> anyhow::Result<RunSettings> {
+    let args = load(matches).map_err(Problems)?;
+    Ok(args.settings().map_err(Problems)?)
 }
 
 /// `--group-protocol`'s values.
