@@ -64,16 +64,20 @@ use crate::binaries::Tally;
 use crate::local;
 use crate::markdown::thousands;
 use crate::produce::{Plan, parse_key_value, progress_bar, send};
+use latency::Latency;
 use report::{render, write_between_markers};
 use services::{start_kafka, start_redis};
 use tally::read::Reader;
 use tally_lab::generate::TrafficShape;
-use tally_run::{Latency, LatencyPlan};
+use tally_run::LatencyPlan;
 
 mod baseline;
 mod fleet;
+mod group_watch;
 mod hotkeys;
 mod kill;
+mod latency;
+mod peer_records;
 mod present;
 mod report;
 mod reread;
@@ -429,7 +433,7 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
             let valkey_dir = dir.path().join("valkey");
             std::fs::create_dir_all(&valkey_dir)?;
             let (service, url) = local::start_store(program, &valkey_dir)?;
-            let version = report::store_version(&url)?;
+            let version = services::store_version(&url)?;
             (Some(service), Some((url, version)))
         }
         None => (None, None),
@@ -699,8 +703,8 @@ fn check_sample(
     let step = (posts.len() / 1000).max(1);
     let mut sample: Vec<(u64, i64)> = posts.iter().take(100).copied().collect();
     sample.extend(posts.iter().skip(100).step_by(step).copied());
-    if let Some(&count) = truth.get(&tally_run::MARKER_POST) {
-        sample.push((tally_run::MARKER_POST, count));
+    if let Some(&count) = truth.get(&latency::MARKER_POST) {
+        sample.push((latency::MARKER_POST, count));
     }
     let ids: Vec<u64> = sample.iter().map(|&(post, _)| post).collect();
     let counts = tokio::task::block_in_place(|| {

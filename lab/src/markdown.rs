@@ -1,6 +1,7 @@
 //! The Markdown around benchmark reports: a block of generated text kept
-//! between two markers of a file, so the prose around it stays, and the
-//! command, machine and date a report names.
+//! between two markers of a file, so the prose around it stays, the
+//! command, machine and date a report names, and how its figures are
+//! written (thousands, ratios).
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -119,6 +120,15 @@ pub fn thousands(n: u64) -> String {
         out.push(c);
     }
     out
+}
+
+/// `a` as a multiple of `b`, "1.50×"; "–" when `b` is not positive or `a` not finite.
+pub fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 && a.is_finite() {
+        format!("{:.2}×", a / b)
+    } else {
+        "–".into()
+    }
 }
 
 #[cfg(test)]

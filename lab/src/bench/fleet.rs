@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use super::scale::{CONSUMERS, PARTITIONS};
 use super::services::{RedisSnapshot, cpu_secs, create_topic, redis_conn, seal, terminate};
 use super::{Env, check_sample, stages, tally_run};
 use crate::local::free_port;
@@ -40,6 +39,10 @@ use crate::produce::{Plan, progress_bar, send};
 use tally::domain::routing::KeyLayout;
 use tally::infra::metrics::{ASSIGNED_PARTITIONS, INCREMENTS, REBALANCES, SCRIPTS};
 use tally_lab::generate::TrafficShape;
+
+/// The partitions and consumer counts of the table.
+pub(super) const PARTITIONS: [u32; 2] = [8, 32];
+pub(super) const CONSUMERS: [u32; 3] = [1, 2, 4];
 
 /// Longest phase of a row, in seconds; a shorter `--latency-secs` shortens it.
 pub(super) const MAX_SECS: u64 = 10;

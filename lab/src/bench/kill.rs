@@ -8,6 +8,10 @@
 //!
 //! Each killed consumer has a `session.timeout.ms` of [`SESSION_TIMEOUT_MS`], so its restart
 //! waits that long for the group to expire the dead member, rather than the 45 s default.
+//!
+//! Here are the test's steps ([`sigkill`], [`marks_of`]), its runs of `tally run` and of the
+//! naive consumer, and the table of all three; the Kafka Streams peer's run is in streams.rs,
+//! with the rest of the peer.
 
 use std::fmt::{self, Write as _};
 use std::fs::File;
@@ -18,8 +22,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustc_hash::FxHashMap;
 
+use super::group_watch::GroupWatch;
 use super::services::{RedisSnapshot, redis_conn, terminate, watermarks};
-use super::streams::{App, GroupWatch, Peer, Running};
 use super::{Baseline, Env};
 use crate::local::free_port;
 use crate::markdown::thousands;
@@ -127,7 +131,7 @@ impl Drop for Spawned {
 
 /// Kills `child` with SIGKILL and reaps it; returns the events `watch`'s group has committed
 /// half a second later, when any offset commit it had already sent has landed.
-fn sigkill(child: &mut Child, watch: &GroupWatch, marks: &[(i64, i64)]) -> Result<u64> {
+pub(super) fn sigkill(child: &mut Child, watch: &GroupWatch, marks: &[(i64, i64)]) -> Result<u64> {
     child.kill().context("killing the consumer")?;
     child.wait()?;
     std::thread::sleep(Duration::from_millis(500));
@@ -135,7 +139,7 @@ fn sigkill(child: &mut Child, watch: &GroupWatch, marks: &[(i64, i64)]) -> Resul
 }
 
 /// The topic's `[low, high)` marks and the events they hold.
-fn marks_of(env: &Env, topic: &str, partitions: u32) -> Result<(Vec<(i64, i64)>, u64)> {
+pub(super) fn marks_of(env: &Env, topic: &str, partitions: u32) -> Result<(Vec<(i64, i64)>, u64)> {
     let marks = watermarks(&env.brokers, topic, partitions)?;
     let total = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
     Ok((marks, total))
@@ -281,45 +285,6 @@ fn start_naive(env: &Env, topic: &str, id: &str, events: u64, log: &Path) -> Res
         .stderr(log)
         .spawn()
         .context("starting the pipelined naive consumer")
-}
-
-/// The Kafka Streams peer on a new application, killed half-way and started again on the same
-/// application id and state directory; returns the application and the restarted instance,
-/// caught up.
-pub(super) fn streams(
-    peer: &Peer,
-    env: &Env,
-    topic: &str,
-    name: &str,
-    partitions: u32,
-    truth: &FxHashMap<u64, i64>,
-) -> Result<(Killed, App, Running)> {
-    let id = format!("{name}-streams-kill");
-    let app = App::create(env, &id, topic, partitions, Some(SESSION_TIMEOUT_MS))?;
-    let (marks, total) = marks_of(env, topic, partitions)?;
-    let watch = app.watch(&env.brokers)?;
-    let what = "the Kafka Streams peer";
-    let mut first = Running::start(peer, env, &app)?;
-    let at = watch.until_half(&marks, &mut first.child, what)?;
-    let resumed = sigkill(&mut first.child, &watch, &marks)?;
-    let restarted = Instant::now();
-    let mut second = Running::start(peer, env, &app)?;
-    watch.until_caught_up(&marks, &mut second.child, what, &[])?;
-    let restart_secs = restarted.elapsed().as_secs_f64();
-    let exact = app.check(&env.brokers, truth)?;
-    Ok((
-        Killed {
-            victim: Victim::Streams,
-            total,
-            at,
-            written: None,
-            resumed,
-            restart_secs,
-            exact,
-        },
-        app,
-        second,
-    ))
 }
 
 /// The SIGKILL tests of one workload as a table, after a paragraph saying how they ran.

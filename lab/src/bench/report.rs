@@ -7,19 +7,11 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::hotkeys::HotKeys;
-use super::services::redis_conn;
+use super::services::store_version;
 use super::tally_run::HOT_KEY_SECS;
 use super::{BenchConfig, Env, Measured, Outcome};
-use crate::markdown::{header, shell_line, thousands, today_utc};
+use crate::markdown::{header, ratio, shell_line, thousands, today_utc};
 use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
-
-pub(super) fn ratio(a: f64, b: f64) -> String {
-    if b > 0.0 && a.is_finite() {
-        format!("{:.2}×", a / b)
-    } else {
-        "–".into()
-    }
-}
 
 /// What bounds both consumers' backlog rates: each one's busiest thread
 /// and the share of a core it used (a share near 100 % is a thread that
@@ -101,22 +93,6 @@ pub(super) fn render(config: &BenchConfig, env: &Env, outcomes: &[Outcome]) -> R
         workload(&mut out, config, o)?;
     }
     Ok(out)
-}
-
-/// The version the server at `url` reports: Valkey's own (`valkey_version`),
-/// else Redis's.
-pub(super) fn store_version(url: &str) -> Result<String> {
-    let mut conn = redis_conn(url)?;
-    let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
-    let field = |name: &str| {
-        server
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| v.trim().to_string())
-    };
-    Ok(field("valkey_version:")
-        .or_else(|| field("redis_version:"))
-        .unwrap_or_else(|| "?".into()))
 }
 
 /// The command line as a reader would repeat it.
@@ -418,7 +394,7 @@ pub(super) fn write_between_markers(path: &Path, report: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tally_run::percentile;
+    use super::super::latency::percentile;
     use super::*;
 
     #[test]

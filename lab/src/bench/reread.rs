@@ -37,9 +37,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustc_hash::FxHashMap;
 
-use super::report::store_version;
-use super::services::{create_topic, peak_rss_kib, redis_conn, seal, terminate};
-use super::{BenchConfig, Env, check_sample, stages, tally_run};
+use super::services::{create_topic, peak_rss_kib, redis_conn, seal, store_version, terminate};
+use super::{BenchConfig, Env, check_sample, latency, stages, tally_run};
 use crate::local::free_port;
 use crate::markdown::{command_line, header, thousands, today_utc};
 use crate::produce::{Plan, progress_bar, send};
@@ -559,7 +558,7 @@ fn caught_up(
 fn median_max(values: &mut [f64]) -> Option<(f64, f64)> {
     values.sort_by(f64::total_cmp);
     let max = *values.last()?;
-    Some((tally_run::percentile(values, 0.5), max))
+    Some((latency::percentile(values, 0.5), max))
 }
 
 /// The report: the command, the machine, what was run, one row per window and step, and the

@@ -24,7 +24,7 @@ use std::fmt::Write as _;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::Measured;
-use super::fleet::{self, Row};
+use super::fleet::{self, CONSUMERS, PARTITIONS, Row};
 use tally::domain::routing::{bucket_of, stable_hash};
 use tally::infra::config::{
     DEFAULT_BUCKETS, DEFAULT_FLUSH_INTERVAL_MS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE,
@@ -33,9 +33,6 @@ use tally_lab::generate::{Traffic, TrafficShape};
 
 /// Seconds of traffic each simulated row replays.
 const SIMULATED_SECS: u64 = 10;
-/// The partitions and consumer counts of the table.
-pub(super) const PARTITIONS: [u32; 2] = [8, 32];
-pub(super) const CONSUMERS: [u32; 3] = [1, 2, 4];
 
 /// Writes and scripts per event for `partitions` at `rate` events/s.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,5 +1,6 @@
 //! Services of the benchmark: the local broker and redis-server (see
-//! [`crate::local`]), and the figures read from Redis and /proc.
+//! [`crate::local`]), the store's version, and the figures read from Redis
+//! and /proc.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -76,6 +77,22 @@ pub(super) fn redis_conn(url: &str) -> Result<redis::Connection> {
     redis::Client::open(url)?
         .get_connection()
         .with_context(|| format!("connecting to {url}"))
+}
+
+/// The version the server at `url` reports: Valkey's own (`valkey_version`),
+/// else Redis's.
+pub(super) fn store_version(url: &str) -> Result<String> {
+    let mut conn = redis_conn(url)?;
+    let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
+    let field = |name: &str| {
+        server
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_string())
+    };
+    Ok(field("valkey_version:")
+        .or_else(|| field("redis_version:"))
+        .unwrap_or_else(|| "?".into()))
 }
 
 /// Peak resident set of a process in KiB (`VmHWM`), `"self"` for this one.

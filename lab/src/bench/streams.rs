@@ -3,30 +3,30 @@
 //! likes minus unlikes in a RocksDB store and writes every updated count to an output topic),
 //! run as a child JVM on the same broker, topic and machine as tally, with Kafka's defaults.
 //!
-//! Its progress is read from the broker alone. Kafka Streams commits the offsets of its consumer
-//! group (the application id) in the transactions that carry its writes: the input offsets with
-//! the records sent to the repartition topic `ID-deltas-repartition`, the repartition offsets
-//! with the counts. It has caught up when the group's committed offsets are at the end, read
-//! `read_committed`, of both topics, seen twice a commit interval apart; the counts of the last
-//! events are then committed. A count is visible when a `read_committed` consumer of the output
+//! Its progress is read from the broker alone ([`super::group_watch`]). Kafka Streams commits the
+//! offsets of its consumer group (the application id) in the transactions that carry its writes:
+//! the input offsets with the records sent to the repartition topic `ID-deltas-repartition`, the
+//! repartition offsets with the counts. It has caught up when the group's committed offsets are
+//! at the end, read `read_committed`, of both topics, seen twice a commit interval apart; the
+//! counts of the last events are then committed. A count is visible when a `read_committed` consumer of the output
 //! topic sees it, and a post's count is its last record there.
 //!
 //! On each workload it runs twice. The backlog pass reads the backlog alone on a new
 //! application id, timed from the first committed input offsets to caught up (the JVM's start,
 //! the group join and the task set-up before them are not counted, as tally's group join is
 //! not); then every post's count in the output topic is compared with the truth. After tally's
-//! latency phase, the SIGKILL test ([`super::kill::streams`]) reads the topic on another new
-//! application id, kills the JVM half-way and starts it again; that instance, caught up and
-//! checked, then runs the latency phase at tally's rate, timed from the broker's
-//! acknowledgement of each marker like to its count in the output topic (the one partition that
-//! holds the marker post, as the Java client's murmur2 partitioner places it).
+//! latency phase, the SIGKILL test ([`killed_and_restarted`], with the steps of [`super::kill`])
+//! reads the topic on another new application id, kills the JVM half-way and starts it again;
+//! that instance, caught up and checked, then runs the latency phase ([`super::latency`]) at
+//! tally's rate, timed from the broker's acknowledgement of each marker like to its count in the
+//! output topic (the one partition that holds the marker post, as the Java client's murmur2
+//! partitioner places it: [`super::peer_records`]).
 
 use std::fmt::{self, Write as _};
 use std::fs::File;
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,60 +38,14 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::kill::{Exactness, Killed};
-use super::report::ratio;
+use super::group_watch::GroupWatch;
+use super::kill::{Exactness, Killed, SESSION_TIMEOUT_MS, Victim, marks_of, sigkill};
+use super::latency::{MARKER_POST, OutputWatch, Probe, timed_phase};
+use super::peer_records::{long, partition_of};
 use super::services::{cpu_secs, create_topic, peak_rss_kib, terminate, watermarks};
-use super::tally_run::{MARKER_POST, Probe, timed_phase};
 use super::{BenchConfig, Env, Measured, Outcome};
-use crate::markdown::thousands;
+use crate::markdown::{ratio, thousands};
 use tally_lab::generate::TrafficShape;
-
-/// How often Kafka Streams commits under exactly_once_v2 (its default, which the peer keeps).
-pub(super) const COMMIT_INTERVAL: Duration = Duration::from_millis(100);
-
-/// How long the latency probe waits, once the phase has ended, for the last marker likes: a
-/// consumer slower than the phase's rate catches up on what it fell behind.
-pub(super) const PATIENCE: Duration = Duration::from_secs(180);
-
-/// How long a followed consumer may commit nothing new before the benchmark gives up.
-const STALL: Duration = Duration::from_secs(180);
-
-/// Watches a consumer's committed progress: fails when its process has exited, or when
-/// nothing more was committed for [`STALL`].
-struct Stall<'a> {
-    what: &'a str,
-    total: u64,
-    last: u64,
-    last_progress: Instant,
-}
-
-impl<'a> Stall<'a> {
-    fn new(what: &'a str, total: u64) -> Self {
-        Stall {
-            what,
-            total,
-            last: u64::MAX,
-            last_progress: Instant::now(),
-        }
-    }
-
-    fn check(&mut self, done: u64, child: &mut Child) -> Result<()> {
-        let (what, total) = (self.what, self.total);
-        if done != self.last {
-            (self.last_progress, self.last) = (Instant::now(), done);
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            bail!("{what} exited ({status}) at {done} of {total} events");
-        }
-        if self.last_progress.elapsed() > STALL {
-            bail!(
-                "{what} committed nothing for {} s at {done} of {total} events",
-                STALL.as_secs()
-            );
-        }
-        Ok(())
-    }
-}
 
 /// The built peer: the directory `ensure_streams_peer` fills, whose `lib/` holds its jars.
 #[derive(Debug, Clone)]
@@ -263,141 +217,6 @@ impl Drop for Running {
     }
 }
 
-/// When a followed group's committed input offsets were first seen to move.
-pub(super) struct First {
-    pub at: Instant,
-    /// Input events committed then.
-    pub committed: u64,
-    /// CPU seconds each process asked for had used then.
-    pub cpu: Vec<Option<f64>>,
-}
-
-/// Follows a consumer group through the offsets it has committed: tally's, a naive
-/// consumer's, or a Kafka Streams application's.
-pub(super) struct GroupWatch {
-    /// Reads the group's committed offsets, never the pending ones of an open transaction.
-    offsets: BaseConsumer,
-    /// Reads each partition's end as a `read_committed` consumer sees it.
-    ends: BaseConsumer,
-    /// The input topic, then any topic the group also reads (Kafka Streams' repartition topic).
-    topics: Vec<(String, u32)>,
-}
-
-impl GroupWatch {
-    /// A watch on `group`'s offsets of `topics` (the first is the input).
-    pub fn new(brokers: &str, group: &str, topics: Vec<(String, u32)>) -> Result<Self> {
-        let config = |group: &str, isolation: &str| {
-            tally::infra::config::kafka_client_config(brokers, &[])
-                .set("group.id", group)
-                .set("enable.auto.commit", "false")
-                .set("isolation.level", isolation)
-                .create::<BaseConsumer>()
-        };
-        Ok(Self {
-            offsets: config(group, "read_uncommitted")?,
-            ends: config("tally-bench-watermarks", "read_committed")?,
-            topics,
-        })
-    }
-
-    /// The group's committed offset of each partition of `topic` (`None`: nothing committed).
-    fn committed(&self, topic: &str, partitions: u32) -> Result<Vec<Option<i64>>> {
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..partitions as i32 {
-            tpl.add_partition(topic, p);
-        }
-        let got = self
-            .offsets
-            .committed_offsets(tpl, Duration::from_secs(10))?;
-        Ok((0..partitions as i32)
-            .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(offset)) => Some(offset),
-                _ => None,
-            })
-            .collect())
-    }
-
-    /// Input events the group has committed, given the input's `[low, high)` marks.
-    pub fn progress(&self, marks: &[(i64, i64)]) -> Result<u64> {
-        let (topic, partitions) = &self.topics[0];
-        Ok(self
-            .committed(topic, *partitions)?
-            .iter()
-            .zip(marks)
-            .map(|(offset, &(low, high))| {
-                offset.map_or(0, |offset| (offset.min(high) - low).max(0) as u64)
-            })
-            .sum())
-    }
-
-    /// Whether the group's committed offsets are at the end of every topic it reads.
-    pub fn at_end(&self) -> Result<bool> {
-        for (topic, partitions) in &self.topics {
-            let committed = self.committed(topic, *partitions)?;
-            for (p, offset) in committed.iter().enumerate() {
-                let Ok((low, high)) =
-                    self.ends
-                        .fetch_watermarks(topic, p as i32, Duration::from_secs(10))
-                else {
-                    return Ok(false);
-                };
-                if offset.unwrap_or(low) < high {
-                    return Ok(false);
-                }
-            }
-        }
-        Ok(true)
-    }
-
-    /// Polls until the group is at the end of every topic, seen twice a commit interval apart.
-    /// Returns the moment the input's committed offsets were first seen to move, with the CPU
-    /// seconds each of `pids` had used then, and when the group was first seen at the end.
-    pub fn until_caught_up(
-        &self,
-        marks: &[(i64, i64)],
-        child: &mut Child,
-        what: &str,
-        pids: &[&str],
-    ) -> Result<(Option<First>, Instant)> {
-        let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
-        let mut first: Option<First> = None;
-        let mut watch = Stall::new(what, total);
-        loop {
-            let done = self.progress(marks)?;
-            let now = Instant::now();
-            if first.is_none() && done > 0 {
-                first = Some(First {
-                    at: now,
-                    committed: done,
-                    cpu: pids.iter().map(|pid| cpu_secs(pid)).collect(),
-                });
-            }
-            if done >= total && self.at_end()? {
-                std::thread::sleep(COMMIT_INTERVAL + Duration::from_millis(50));
-                if self.at_end()? {
-                    return Ok((first, now));
-                }
-            }
-            watch.check(done, child)?;
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Polls until the group has committed at least half of the input; returns what it had.
-    pub fn until_half(&self, marks: &[(i64, i64)], child: &mut Child, what: &str) -> Result<u64> {
-        let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
-        let mut watch = Stall::new(what, total);
-        loop {
-            let done = self.progress(marks)?;
-            if done * 2 >= total {
-                return Ok(done);
-            }
-            watch.check(done, child)?;
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
 /// What Kafka Streams did on one workload.
 pub(super) struct Figures {
     /// The backlog pass, with the latency phase's figures added.
@@ -465,6 +284,45 @@ pub(super) struct Start {
     pub cpu_secs: f64,
 }
 
+/// The Kafka Streams peer on a new application, killed half-way and started again on the same
+/// application id and state directory; returns the application and the restarted instance,
+/// caught up.
+fn killed_and_restarted(
+    peer: &Peer,
+    env: &Env,
+    topic: &str,
+    name: &str,
+    partitions: u32,
+    truth: &FxHashMap<u64, i64>,
+) -> Result<(Killed, App, Running)> {
+    let id = format!("{name}-streams-kill");
+    let app = App::create(env, &id, topic, partitions, Some(SESSION_TIMEOUT_MS))?;
+    let (marks, total) = marks_of(env, topic, partitions)?;
+    let watch = app.watch(&env.brokers)?;
+    let what = "the Kafka Streams peer";
+    let mut first = Running::start(peer, env, &app)?;
+    let at = watch.until_half(&marks, &mut first.child, what)?;
+    let resumed = sigkill(&mut first.child, &watch, &marks)?;
+    let restarted = Instant::now();
+    let mut second = Running::start(peer, env, &app)?;
+    watch.until_caught_up(&marks, &mut second.child, what, &[])?;
+    let restart_secs = restarted.elapsed().as_secs_f64();
+    let exact = app.check(&env.brokers, truth)?;
+    Ok((
+        Killed {
+            victim: Victim::Streams,
+            total,
+            at,
+            written: None,
+            resumed,
+            restart_secs,
+            exact,
+        },
+        app,
+        second,
+    ))
+}
+
 /// After tally's latency phase: the SIGKILL test, then the latency phase at `rate` on the
 /// instance it restarted, and every post checked once more.
 #[allow(clippy::too_many_arguments)]
@@ -479,7 +337,7 @@ pub(super) fn killed_then_timed(
     (rate, secs): (u64, u64),
     (measured, start): (Measured, Start),
 ) -> Result<(Figures, Killed)> {
-    let (killed, app, run) = super::kill::streams(peer, env, topic, name, partitions, truth)?;
+    let (killed, app, run) = killed_and_restarted(peer, env, topic, name, partitions, truth)?;
     let base = truth.get(&MARKER_POST).copied().unwrap_or(0);
     let watch = OutputWatch::new(&env.brokers, &app.output, partitions, base)?;
     eprintln!("{name}: Kafka Streams, latency phase...");
@@ -578,65 +436,6 @@ pub(super) fn report(out: &mut String, config: &BenchConfig, o: &Outcome) -> fmt
     )
 }
 
-/// The latency phase's view of the output topic: the marker post's records, read
-/// `read_committed` from the one partition that holds them, from its end onwards.
-pub(super) struct OutputWatch {
-    consumer: BaseConsumer,
-    /// The marker's count before the phase.
-    base: i64,
-}
-
-impl OutputWatch {
-    /// A watch on the marker's partition of `output`, whose count is `base` now.
-    pub fn new(brokers: &str, output: &str, partitions: u32, base: i64) -> Result<Self> {
-        let consumer: BaseConsumer = tally::infra::config::kafka_client_config(brokers, &[])
-            .set("group.id", "tally-bench-marker")
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_committed")
-            .set("fetch.wait.max.ms", "10")
-            .create()?;
-        let partition = partition_of(MARKER_POST, partitions);
-        let (_, end) = consumer.fetch_watermarks(output, partition, Duration::from_secs(10))?;
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(output, partition, Offset::Offset(end))?;
-        consumer.assign(&tpl)?;
-        Ok(Self { consumer, base })
-    }
-
-    /// Notes when each marker like shows in the output, until `stop` and `want` of them are
-    /// seen (or [`PATIENCE`] has passed since `stop`); returns the times and the polls made.
-    pub fn run(self, stop: &AtomicBool, want: &AtomicU64) -> Result<(Vec<Instant>, u64)> {
-        let key = MARKER_POST.to_be_bytes();
-        let (mut seen, mut polls) = (Vec::new(), 0u64);
-        let mut stopped_at: Option<Instant> = None;
-        loop {
-            polls += 1;
-            match self.consumer.poll(Duration::from_millis(10)) {
-                Some(Ok(message)) if message.key() == Some(&key[..]) => {
-                    let now = Instant::now();
-                    let count = message.payload().and_then(long).unwrap_or(0) - self.base;
-                    while (seen.len() as i64) < count {
-                        seen.push(now);
-                    }
-                }
-                Some(Ok(_)) | None => {}
-                Some(Err(error)) => return Err(error).context("reading the output topic"),
-            }
-            if stop.load(Ordering::Relaxed) {
-                let since = *stopped_at.get_or_insert_with(Instant::now);
-                if seen.len() as u64 >= want.load(Ordering::Relaxed) || since.elapsed() > PATIENCE {
-                    return Ok((seen, polls));
-                }
-            }
-        }
-    }
-}
-
-/// An 8-byte big-endian value, as Kafka's `LongSerializer` writes it.
-fn long(bytes: &[u8]) -> Option<i64> {
-    Some(i64::from_be_bytes(bytes.try_into().ok()?))
-}
-
 /// Every post's count in `output`: the last record of each, read `read_committed` to the end.
 fn read_counts(brokers: &str, output: &str, partitions: u32) -> Result<FxHashMap<u64, i64>> {
     let consumer: BaseConsumer<EofExpected> =
@@ -710,58 +509,3 @@ impl ClientContext for EofExpected {
 }
 
 impl ConsumerContext for EofExpected {}
-
-/// The partition of `partitions` the Java producer's default partitioner gives a record keyed
-/// by `post` as `LongSerializer` writes it: murmur2 of the 8 bytes, made positive, modulo.
-fn partition_of(post: u64, partitions: u32) -> i32 {
-    ((murmur2(&post.to_be_bytes()) & 0x7fff_ffff) % partitions.max(1)) as i32
-}
-
-/// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`).
-fn murmur2(data: &[u8]) -> u32 {
-    const M: u32 = 0x5bd1_e995;
-    let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
-    let mut chunks = data.chunks_exact(4);
-    for chunk in &mut chunks {
-        let mut k = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
-        k = k.wrapping_mul(M);
-        k ^= k >> 24;
-        k = k.wrapping_mul(M);
-        h = h.wrapping_mul(M) ^ k;
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        for (i, &byte) in rest.iter().enumerate().rev() {
-            h ^= u32::from(byte) << (8 * i);
-        }
-        h = h.wrapping_mul(M);
-    }
-    h ^= h >> 13;
-    h = h.wrapping_mul(M);
-    h ^ (h >> 15)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn murmur2_matches_the_java_client() {
-        // Utils.murmur2 and the default partitioner of kafka-clients 4.1.1.
-        assert_eq!(murmur2(b"21") as i32, -973_932_308);
-        assert_eq!(murmur2(b"foobar") as i32, -790_332_482);
-        assert_eq!(murmur2(b"abc") as i32, 479_470_107);
-        assert_eq!(murmur2(&(1u64 << 40).to_be_bytes()) as i32, 611_698_062);
-        assert_eq!(murmur2(&4242u64.to_be_bytes()) as i32, -1_493_756_900);
-        assert_eq!(partition_of(1 << 40, 8), 6);
-        assert_eq!(partition_of(1, 8), 4);
-        assert_eq!(partition_of(4242, 8), 4);
-        assert_eq!(partition_of(1 << 41, 8), 7);
-    }
-
-    #[test]
-    fn counts_are_longs() {
-        assert_eq!(long(&(-3i64).to_be_bytes()), Some(-3));
-        assert_eq!(long(&[0, 1]), None);
-    }
-}
