@@ -15,6 +15,8 @@
 //!   run         the loop wiring the stages (intake, scripts, follow)
 //!   consume     the group consumer; every assignment starts at its fences
 //!   decode      message bytes to a validated like, or a bad-message reason
+//!   dedupe      which records repeat a like (the id and action rules), judged
+//!               against a window of the partition's log; fingerprints: its table
 //!   aggregate   per-partition batches of net deltas per (post, bucket)
 //!   apply       a batch behind its fence (apply.lua); the exactly-once argument;
 //!               the one reader of fences
