@@ -180,7 +180,9 @@ fn row(
     let mut truth = produced.truth;
     let events = produced.acked + seal(&env.brokers, topic, &mut truth)?;
     let marks = tally_run::settled_watermarks(&env.brokers, topic, partitions, events)?;
-    until_caught_up(&mut conn, topic, partitions, &marks, &mut members)?;
+    until_fences_reach(&mut conn, topic, &marks, || {
+        members.iter_mut().try_for_each(Member::alive)
+    })?;
     let redis_after = RedisSnapshot::take(&mut conn)?;
     let after = members
         .iter()
@@ -322,17 +324,19 @@ fn until_assigned(members: &mut [Member], partitions: u32) -> Result<Vec<u32>> {
     }
 }
 
-/// Polls the group's fences until each has reached its partition's end in `marks`.
-fn until_caught_up(
+/// Polls the group's fences (partition `p` of `topic` at `marks[p]`) until
+/// each has reached its partition's end, calling `alive` between polls so
+/// that a member that died ends the wait; gives up after 120 s without
+/// progress.
+pub(super) fn until_fences_reach(
     conn: &mut redis::Connection,
     topic: &str,
-    partitions: u32,
     marks: &[(i64, i64)],
-    members: &mut [Member],
+    mut alive: impl FnMut() -> Result<()>,
 ) -> Result<()> {
     let keys = KeyLayout::new(topic);
     let mut mget = redis::cmd("MGET");
-    for p in 0..partitions as i32 {
+    for p in 0..marks.len() as i32 {
         mget.arg(keys.fence_key(topic, topic, p, 0));
     }
     let (mut last, mut progressed) = (Vec::new(), Instant::now());
@@ -348,9 +352,7 @@ fn until_caught_up(
         if fences != last {
             (last, progressed) = (fences, Instant::now());
         }
-        for member in members.iter_mut() {
-            member.alive()?;
-        }
+        alive()?;
         if progressed.elapsed() > Duration::from_secs(120) {
             bail!("the fences of {topic} made no progress for 120 s: {last:?} of {marks:?}");
         }

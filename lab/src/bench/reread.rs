@@ -42,7 +42,6 @@ use super::{BenchConfig, Env, check_sample, latency, stages, tally_run};
 use crate::local::free_port;
 use crate::markdown::{command_line, header, thousands, today_utc};
 use crate::produce::{Plan, progress_bar, send};
-use tally::domain::routing::KeyLayout;
 use tally::infra::metrics::{
     APPLIED_OFFSET, ASSIGNED_PARTITIONS, DEDUPE_REMEMBERED, DEDUPE_REREAD_SECONDS,
 };
@@ -519,39 +518,17 @@ fn follow(
     }
 }
 
-/// Polls the group's fences until each has reached its partition's end in `marks`.
+/// Polls the group's fences until each has reached its partition's end in
+/// `marks`, while every member lives.
 fn caught_up(
     conn: &mut redis::Connection,
     topic: &str,
     marks: &[(i64, i64)],
     members: &mut [Member],
 ) -> Result<()> {
-    let keys = KeyLayout::new(topic);
-    let mut mget = redis::cmd("MGET");
-    for p in 0..marks.len() as i32 {
-        mget.arg(keys.fence_key(topic, topic, p, 0));
-    }
-    let (mut last, mut progressed) = (Vec::new(), Instant::now());
-    loop {
-        let fences: Vec<Option<i64>> = mget.query(conn)?;
-        let behind = fences
-            .iter()
-            .zip(marks)
-            .any(|(fence, &(_, high))| fence.map_or(high > 0, |f| f + 1 < high));
-        if !behind {
-            return Ok(());
-        }
-        if fences != last {
-            (last, progressed) = (fences, Instant::now());
-        }
-        for member in members.iter_mut() {
-            member.alive()?;
-        }
-        if progressed.elapsed() > Duration::from_secs(120) {
-            bail!("the fences of {topic} made no progress for 120 s: {last:?} of {marks:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    super::fleet::until_fences_reach(conn, topic, marks, || {
+        members.iter_mut().try_for_each(Member::alive)
+    })
 }
 
 /// The median and the largest of `values`.
