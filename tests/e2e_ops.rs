@@ -78,6 +78,8 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
         tally::infra::metrics::APPLIED_OFFSET,
         // Reported only with --dedupe on.
         tally::infra::metrics::DEDUPE_WINDOW_SECONDS,
+        tally::infra::metrics::DEDUPE_REREAD_AGE,
+        tally::infra::metrics::DEDUPE_REREAD_REMAINING,
     ];
     for &(name, _, _) in tally::infra::metrics::ALL {
         if per_partition.contains(&name)
