@@ -165,13 +165,7 @@ fn fresh_ids_per_tap_count_once_through_three_kills() {
         Tally::spawn_args("tally-1", &args),
         Tally::spawn_args("tally-2", &args),
     ];
-    let producer = DupesStream::start(
-        &run.brokers,
-        &run.topic,
-        dupes,
-        400,
-        Duration::from_millis(100),
-    );
+    let producer = dupes.stream(&run.brokers, &run.topic, 400, Duration::from_millis(100));
     // The producer never pauses for long, so every kill cuts batches in flight. The member
     // started after the second kill serves /metrics and lives to the end.
     for (kill, victim) in [0, 1, 0].into_iter().enumerate() {
@@ -238,13 +232,7 @@ fn a_rebuild_counts_fresh_id_taps_once() {
     let mut dupes = Dupes::fresh_ids(run.seed, PARTITIONS, REACH);
     produce(&run.brokers, &run.topic, dupes.grow(FRESH_BACKLOG));
     let mut live = Tally::spawn_args("live-1", &args);
-    let producer = DupesStream::start(
-        &run.brokers,
-        &run.topic,
-        dupes,
-        400,
-        Duration::from_millis(100),
-    );
+    let producer = dupes.stream(&run.brokers, &run.topic, 400, Duration::from_millis(100));
     for n in 2..=3 {
         thread::sleep(Duration::from_secs(3));
         live.assert_running();
@@ -262,13 +250,7 @@ fn a_rebuild_counts_fresh_id_taps_once() {
     eprintln!("[e2e_dedupe] before the rebuild: {}", dupes.summary());
 
     // Live traffic goes on through the rebuild and its cut-over.
-    let producer = DupesStream::start(
-        &run.brokers,
-        &run.topic,
-        dupes,
-        100,
-        Duration::from_millis(100),
-    );
+    let producer = dupes.stream(&run.brokers, &run.topic, 100, Duration::from_millis(100));
     let g1 = format!("{}:g1", run.prefix);
     let mut first = Tally::spawn_command("rebuild-1", "rebuild", &rebuild_args);
     let done = wait_for(
@@ -276,10 +258,7 @@ fn a_rebuild_counts_fresh_id_taps_once() {
         Duration::from_secs(120),
         || {
             first.assert_running();
-            let done: i64 =
-                applied_offsets(&mut conn, &g1, &run.group, &run.topic, PARTITIONS as usize)
-                    .iter()
-                    .sum();
+            let done = run.applied_under(&mut conn, &g1, PARTITIONS as usize);
             (done >= backlog / 3).then_some(done)
         },
     );

@@ -181,17 +181,12 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         Duration::from_secs(120),
         || {
             first.assert_running();
-            let done: i64 =
-                applied_offsets(&mut conn, &g1, &run.group, &run.topic, PARTITIONS as usize)
-                    .iter()
-                    .sum();
+            let done = run.applied_under(&mut conn, &g1, PARTITIONS as usize);
             (done >= BACKLOG as i64 / 3).then_some(done)
         },
     );
     first.kill9();
-    let done: i64 = applied_offsets(&mut conn, &g1, &run.group, &run.topic, PARTITIONS as usize)
-        .iter()
-        .sum();
+    let done = run.applied_under(&mut conn, &g1, PARTITIONS as usize);
     eprintln!(
         "[e2e_rebuild] rebuild killed after {:.1} s with {done} offsets applied",
         started.elapsed().as_secs_f64()

@@ -1,8 +1,6 @@
 //! A producer that delivers at least once: records repeated by event id, id-less double taps and
 //! like-like-unlike sequences, while consumers are SIGKILLed and the group rebalances.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
@@ -50,7 +48,7 @@ pub fn duplicates(s: &Settings, row: &mut Row, _: &mut Leaks) {
         Tally::spawn_args(&format!("consumer-{started}"), &args)
     };
     let mut tallies = [spawn(), spawn()];
-    let producer = Repeats::start(&run, dupes, s.chunk, s.pause);
+    let producer = dupes.stream(&run.brokers, &run.topic, s.chunk, s.pause);
 
     // Half the kills of `kills`: each one makes the next owner re-read the windows below its
     // fences, which is what this scenario is about; more would only repeat it.
@@ -121,34 +119,4 @@ fn verify(args: &[String], mode: &str) -> String {
     all[at + 1] = mode.to_string();
     let refs: Vec<&str> = all.iter().map(String::as_str).collect();
     output_text(&tally_cli(&refs))
-}
-
-/// A producer thread that keeps `Dupes` growing; `stop` returns it with everything produced.
-struct Repeats {
-    stop: Arc<AtomicBool>,
-    handle: thread::JoinHandle<Dupes>,
-}
-
-impl Repeats {
-    /// Produces `chunk` records, sleeps `pause`, and repeats; once stopped it produces one last
-    /// chunk, so repeats still arrive after whatever fault came last.
-    fn start(run: &Scenario, mut dupes: Dupes, chunk: usize, pause: Duration) -> Repeats {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (brokers, topic, flag) = (run.brokers.clone(), run.topic.clone(), stop.clone());
-        let handle = thread::spawn(move || {
-            let mut last = false;
-            while !last {
-                last = flag.load(Ordering::SeqCst);
-                produce(&brokers, &topic, dupes.grow(chunk));
-                thread::sleep(pause);
-            }
-            dupes
-        });
-        Repeats { stop, handle }
-    }
-
-    fn stop(self) -> Dupes {
-        self.stop.store(true, Ordering::SeqCst);
-        self.handle.join().expect("producer thread")
-    }
 }

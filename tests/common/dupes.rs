@@ -15,15 +15,13 @@
 //! lands within the window of its first copy.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::topics::{Msg, produce};
+use super::scenario::Producing;
+use super::topics::Msg;
 use super::workload::{LIKE, UNLIKE, encode_like, encode_like_with_id, now_ms};
 
 /// Event time per record: 1,500 records are 7.5 minutes, so repeats land minutes apart.
@@ -284,38 +282,17 @@ impl Dupes {
 }
 
 /// A producer thread that keeps `Dupes` growing; `stop` returns it with everything produced.
-pub struct DupesStream {
-    stop: Arc<AtomicBool>,
-    handle: JoinHandle<Dupes>,
-}
+pub type DupesStream = Producing<Dupes>;
 
-impl DupesStream {
-    /// Produces `chunk` records, sleeps `pause`, and repeats; once stopped it produces one last
-    /// chunk, so repeats still arrive after whatever fault came last.
-    pub fn start(
-        brokers: &str,
-        topic: &str,
-        mut dupes: Dupes,
-        chunk: usize,
-        pause: Duration,
-    ) -> DupesStream {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (brokers, topic, flag) = (brokers.to_string(), topic.to_string(), stop.clone());
-        let handle = thread::spawn(move || {
-            let mut last = false;
-            while !last {
-                last = flag.load(Ordering::SeqCst);
-                produce(&brokers, &topic, dupes.grow(chunk));
-                thread::sleep(pause);
-            }
-            dupes
-        });
-        DupesStream { stop, handle }
-    }
-
-    /// Stops producing and returns the generator with everything produced.
-    pub fn stop(self) -> Dupes {
-        self.stop.store(true, Ordering::SeqCst);
-        self.handle.join().expect("producer thread")
+impl Dupes {
+    /// Starts producing `chunk` more records every `pause` until stopped.
+    pub fn stream(self, brokers: &str, topic: &str, chunk: usize, pause: Duration) -> DupesStream {
+        Producing::start(
+            brokers,
+            topic,
+            self,
+            move |d: &mut Dupes| d.grow(chunk),
+            pause,
+        )
     }
 }

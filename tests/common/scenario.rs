@@ -123,9 +123,26 @@ impl Scenario {
         assert_counts_eq(&read_counts(conn, &self.prefix), truth);
     }
 
+    /// Offsets applied under `prefix` (a rebuild's generation, say) over `partitions`
+    /// partitions of this scenario's topic and group.
+    pub fn applied_under(
+        &self,
+        conn: &mut redis::Connection,
+        prefix: &str,
+        partitions: usize,
+    ) -> i64 {
+        applied_offsets(conn, prefix, &self.group, &self.topic, partitions)
+            .iter()
+            .sum()
+    }
+
     /// Starts producing `chunk` more events of `workload` every `pause` until stopped.
     pub fn stream(&self, workload: Workload, chunk: usize, pause: Duration) -> Stream {
-        Stream::start(&self.brokers, &self.topic, workload, chunk, pause)
+        let grow = move |w: &mut Workload| {
+            let range = w.grow(chunk);
+            w.messages(range)
+        };
+        Stream::start(&self.brokers, &self.topic, workload, grow, pause)
     }
 
     /// Starts producing `per_round` likes of `post` every `pause` until stopped (see `HotLikes`).
@@ -149,39 +166,42 @@ impl Scenario {
     }
 }
 
-/// A producer thread that keeps a workload growing; `stop` returns the workload.
-pub struct Stream {
+/// A producer thread that keeps a source of records growing; `stop` returns the source with
+/// everything it produced.
+pub struct Producing<T> {
     stop: Arc<AtomicBool>,
-    handle: JoinHandle<Workload>,
+    handle: JoinHandle<T>,
 }
 
-impl Stream {
-    /// Produces `chunk` events, sleeps `pause`, and repeats; once stopped it produces one last
-    /// chunk, so events still arrive after whatever fault came last.
+/// A producer thread that keeps a workload growing.
+pub type Stream = Producing<Workload>;
+
+impl<T: Send + 'static> Producing<T> {
+    /// Produces what `next` takes from `source`, sleeps `pause`, and repeats; once stopped it
+    /// produces one last time, so records still arrive after whatever fault came last.
     pub fn start(
         brokers: &str,
         topic: &str,
-        mut workload: Workload,
-        chunk: usize,
+        mut source: T,
+        mut next: impl FnMut(&mut T) -> Vec<Msg> + Send + 'static,
         pause: Duration,
-    ) -> Stream {
+    ) -> Producing<T> {
         let stop = Arc::new(AtomicBool::new(false));
         let (brokers, topic, flag) = (brokers.to_string(), topic.to_string(), stop.clone());
         let handle = thread::spawn(move || {
             let mut last = false;
             while !last {
                 last = flag.load(Ordering::SeqCst);
-                let range = workload.grow(chunk);
-                produce(&brokers, &topic, workload.messages(range));
+                produce(&brokers, &topic, next(&mut source));
                 thread::sleep(pause);
             }
-            workload
+            source
         });
-        Stream { stop, handle }
+        Producing { stop, handle }
     }
 
-    /// Stops producing and returns the workload with everything produced.
-    pub fn stop(self) -> Workload {
+    /// Stops producing and returns the source with everything produced.
+    pub fn stop(self) -> T {
         self.stop.store(true, Ordering::SeqCst);
         self.handle.join().expect("producer thread")
     }
