@@ -17,15 +17,21 @@
 //! its partitions back without a rebalance, but through a new consumer, whose
 //! assignment passes here too.
 //!
+//! Every partition assigned gets a queue of its own, split in the callback
+//! before the partition is handed back to librdkafka, so that nothing
+//! fetched for the new ownership reaches the consumer's queue (see
+//! [`crate::pipeline::run`] for who reads it).
+//!
 //! Offsets are never auto-stored: only an applied batch stores its offset,
 //! and librdkafka commits what is stored (see [`crate::pipeline::commit`]).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientContext;
+use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -94,7 +100,15 @@ pub struct TallyContext {
     /// Asynchronous commits awaiting the coordinator's answer: per partition,
     /// the committed offset and when it was queued, oldest first.
     commits: Mutex<HashMap<i32, VecDeque<(i64, Instant)>>>,
+    /// The consumer this context serves, once [`TallyContext::attach`]ed:
+    /// every assigned partition then gets a queue of its own.
+    consumer: OnceLock<Weak<LikeConsumer>>,
+    /// Queues split at assignment and not yet taken by the main loop.
+    split: Mutex<HashMap<i32, PartitionQueue>>,
 }
+
+/// One partition's own queue of fetched messages.
+pub type PartitionQueue = StreamPartitionQueue<TallyContext>;
 
 /// How often librdkafka reports its statistics: the lag gauges, and the log
 /// ends that tell a partition catching up.
@@ -117,7 +131,54 @@ impl TallyContext {
             cooperative: false,
             group_acl: None,
             commits: Mutex::new(HashMap::new()),
+            consumer: OnceLock::new(),
+            split: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Splits every partition assigned from now on into a queue of its own
+    /// (see [`TallyContext::take_queue`]), so that its messages can be taken
+    /// off the thread that polls `consumer`.
+    pub fn attach(&self, consumer: &Arc<LikeConsumer>) {
+        let _ = self.consumer.set(Arc::downgrade(consumer));
+    }
+
+    /// The queue split for `partition` at its last assignment, if any. A
+    /// partition whose queue was split fetches into that queue only: its
+    /// messages never reach the consumer's own.
+    pub fn take_queue(&self, partition: i32) -> Option<PartitionQueue> {
+        self.split
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&partition)
+    }
+
+    /// Drops the queues no one took; each holds the consumer.
+    pub fn drop_queues(&self) {
+        self.split.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    /// Splits the queues of `partitions` before they are assigned: the
+    /// split is the application's, so the assignment's fetch start keeps
+    /// it, and nothing fetched for this ownership reaches the consumer's
+    /// queue.
+    fn split_queues(&self, partitions: &[i32]) -> usize {
+        let Some(consumer) = self.consumer.get().and_then(Weak::upgrade) else {
+            return 0;
+        };
+        let mut split = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        for &partition in partitions {
+            match consumer.split_partition_queue(&self.topic, partition) {
+                Some(queue) => {
+                    split.insert(partition, queue);
+                }
+                None => warn!(
+                    partition,
+                    "Cannot give the partition a queue of its own; the polling thread takes its messages."
+                ),
+            }
+        }
+        partitions.len() - (partitions.iter().filter(|p| !split.contains_key(p)).count())
     }
 
     /// Notes that `next` was stored for `partition` now, so the answer to the
@@ -284,7 +345,8 @@ impl TallyContext {
                 log,
             });
         }
-        info!(partitions = %resume.join(" "), "Partitions assigned.");
+        let own_queues = self.split_queues(&partitions);
+        info!(partitions = %resume.join(" "), own_queues, "Partitions assigned.");
         let mut ahead = TopicPartitionList::new();
         let mut fit = TopicPartitionList::new();
         for a in &assignments {
@@ -325,6 +387,12 @@ impl TallyContext {
             .map(|e| e.partition())
             .collect();
         info!(?partitions, "Partitions revoked.");
+        {
+            let mut split = self.split.lock().unwrap_or_else(|e| e.into_inner());
+            for partition in &partitions {
+                split.remove(partition);
+            }
+        }
         self.push(Rebalanced::Revoked(partitions));
         let result = if self.cooperative {
             consumer.incremental_unassign(tpl)

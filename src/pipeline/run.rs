@@ -24,8 +24,14 @@
 //!   or when the consumer is sent below the fence) is paused and takes,
 //!   applies and commits nothing for the rest of its ownership; the others
 //!   go on;
+//! * each partition's messages are taken off the polling thread by a reader
+//!   of its own (see `reader`), which alone moves the consumer in that
+//!   partition; this loop keeps the consumer polled for rebalances and
+//!   errors, and takes the messages only of a partition whose queue could
+//!   not be split;
 //! * everything is bounded: a partition whose batch is full and still waiting
-//!   stops the consumer from fetching until Redis catches up;
+//!   stops its reader (or, read here, the consumer) from taking more until
+//!   Redis catches up;
 //! * (dedupe) a partition re-reading the log below its fences to rebuild its
 //!   window holds back only itself: its records fill the window as they
 //!   arrive, are never routed or batched, and every other partition is
@@ -36,8 +42,9 @@
 //!   its fences in the new generation (see [`crate::ops::rebuild`] for the cut-over).
 //!
 //! Parts: `intake` (ownership changes, and messages entering a partition's
-//! batch), `scripts` (a closed batch planned and sent as one script per slot
-//! group), `follow` (switching generations); this file runs the loop.
+//! batch), `reader` (a partition's messages taken off the polling thread),
+//! `scripts` (a closed batch planned and sent as one script per slot group),
+//! `follow` (switching generations); this file runs the loop.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -76,9 +83,11 @@ use crate::pipeline::hot::{Detector, Policy};
 
 mod follow;
 mod intake;
+mod reader;
 mod scripts;
 
-use intake::{IdleOwnership, Intake, Owned};
+use intake::{IdleOwnership, Intake, Owned, Owning};
+use reader::{Event, Reading, View};
 use scripts::{Done, Finished, Job, plan};
 
 /// Why `tally run` stopped with an error.
@@ -201,7 +210,7 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Messages taken from what librdkafka already holds, one after another,
 /// before the main loop looks at its other work: the loop's polling of its
 /// timers and tasks is paid once per run of messages rather than per message.
-const DRAIN_AT_MOST: usize = 512;
+pub(super) const DRAIN_AT_MOST: usize = 512;
 
 /// A partition whose log holds this many messages past what the consumer has
 /// read is catching up: its batches are sent when full, or at
@@ -269,7 +278,8 @@ pub async fn run_with(
     );
     let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone())
         .with_group_acl(mode.group_acl.clone());
-    let consumer = consume::create_consumer(kafka, &mode.kafka_group, context)?;
+    let consumer = Arc::new(consume::create_consumer(kafka, &mode.kafka_group, context)?);
+    consumer.context().attach(&consumer);
     let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
     consume::check_group(
         &consumer,
@@ -597,6 +607,12 @@ fn sends_at(
 
 struct Pipeline {
     settings: RunSettings,
+    /// What the partitions' readers share.
+    reading: Arc<Reading>,
+    /// What the readers tell the loop.
+    events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    /// Each partition's last reader, kept until the next one starts.
+    readers: HashMap<i32, JoinHandle<()>>,
     limits: Limits,
     flush_after: Duration,
     consumer: Arc<LikeConsumer>,
@@ -617,7 +633,7 @@ struct Pipeline {
     /// Decodes values, checking framed ones against `--schema-ids`.
     decoder: Decoder,
     committer: Committer,
-    owned: HashMap<i32, Owned>,
+    owned: Owning,
     /// Partitions with a batch in flight; outlives ownership, so a revoked
     /// partition's late batch still blocks the next one of a new ownership.
     busy: HashSet<i32>,
@@ -633,7 +649,7 @@ struct Pipeline {
 impl Pipeline {
     fn new(
         settings: RunSettings,
-        consumer: LikeConsumer,
+        consumer: Arc<LikeConsumer>,
         applier: Applier,
         (routes, watch, route_stop): (Routes, RouteWatch, CancellationToken),
         following: Option<Following>,
@@ -645,16 +661,34 @@ impl Pipeline {
                 hot_buckets: settings.hot.hot_buckets,
             })
         });
+        let limits = Limits {
+            max_events: settings.batching.max_events,
+            max_keys: settings.batching.max_keys,
+        };
+        let decoder = Decoder::new(&settings.schema_ids);
+        let (events_to, events) = tokio::sync::mpsc::unbounded_channel();
+        let reading = Arc::new(Reading {
+            topic: settings.kafka.topic.clone(),
+            consumer: Arc::clone(&consumer),
+            decoder: decoder.clone(),
+            dead_letters: dead_letters.clone(),
+            limits,
+            view: std::sync::RwLock::new(Arc::new(View {
+                groups: applier.keys().groups().clone(),
+                watch: watch.clone(),
+            })),
+            events: events_to,
+        });
         Pipeline {
-            limits: Limits {
-                max_events: settings.batching.max_events,
-                max_keys: settings.batching.max_keys,
-            },
+            reading,
+            events,
+            readers: HashMap::new(),
+            limits,
             flush_after: settings.batching.flush_interval,
             committer: Committer::new(&settings.kafka.topic),
-            decoder: Decoder::new(&settings.schema_ids),
+            decoder,
             settings,
-            consumer: Arc::new(consumer),
+            consumer,
             applier,
             routes,
             table: watch.current(),
@@ -708,6 +742,7 @@ impl Pipeline {
                         self.report_rereads();
                     }
                 }
+                Some(event) = self.events.recv() => self.heard(event)?,
                 received = consumer.recv(), if !self.blocked => {
                     self.received(received).await?;
                     // What librdkafka already holds is taken before the other
@@ -747,10 +782,19 @@ impl Pipeline {
         // Ownership changes queued while polling take effect before the
         // message is looked at.
         self.apply_rebalances();
+        // A partition with a reader of its own takes nothing from here:
+        // what still reaches this queue was fetched for an earlier ownership.
+        let taken_here = |owned: &Owning| {
+            owned
+                .get(&partition)
+                .map(|slot| slot.lock())
+                .filter(|state| !state.read_apart)
+                .is_some_and(|state| intake::decides(&state, offset))
+        };
         // Only a message that will be decided is routed: a record re-read
         // below the fences to rebuild a dedupe window, or one dropped, never
         // makes the loop wait for the routing registry.
-        if intake::decides(&self.owned, partition, offset)
+        if taken_here(&self.owned)
             && self.table.readiness_of(partition, offset, timestamp) != Readiness::Ready
         {
             let cluster = self.applier.keys().groups().is_cluster();
@@ -760,15 +804,24 @@ impl Pipeline {
                 .await;
             self.apply_rebalances();
         }
-        let intake = intake::accept(
-            &mut self.owned,
-            self.applier.keys().groups(),
-            &message,
-            timestamp,
-            &self.table,
-            &self.decoder,
-            self.dead_letters.as_deref(),
-        );
+        let intake = match self.owned.get(&partition) {
+            Some(slot) => {
+                let mut state = slot.lock();
+                match state.read_apart {
+                    true => Intake::Dropped,
+                    false => intake::accept(
+                        &mut state,
+                        self.applier.keys().groups(),
+                        &message,
+                        timestamp,
+                        &self.table,
+                        &self.decoder,
+                        self.dead_letters.as_deref(),
+                    ),
+                }
+            }
+            None => Intake::Dropped,
+        };
         drop(message);
         match intake {
             Intake::Taken => self.after_accept(partition),
@@ -776,6 +829,47 @@ impl Pipeline {
             Intake::Dropped => {}
         }
         Ok(())
+    }
+
+    /// What a reader tells the loop.
+    fn heard(&mut self, event: Event) -> Result<(), RunError> {
+        self.apply_rebalances();
+        match event {
+            Event::Full(partition) => self.after_accept(partition),
+            Event::BelowFence(partition) => self.check_log(partition),
+            Event::Failed(error) => {
+                self.stop_if_fatal()?;
+                self.stop_if_denied(&error)?;
+                warn!(%error, "Kafka consumer error.");
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts a reader for each partition assigned whose queue was split.
+    fn start_readers(&mut self, assigned: Vec<i32>) {
+        for partition in assigned {
+            let Some(queue) = self.consumer.context().take_queue(partition) else {
+                continue;
+            };
+            let Some(slot) = self.owned.get(&partition).cloned() else {
+                continue;
+            };
+            let previous = self.readers.remove(&partition);
+            let reader = reader::spawn(partition, slot, queue, Arc::clone(&self.reading), previous);
+            self.readers.insert(partition, reader);
+        }
+    }
+
+    /// Stops every reader and waits for them: nothing enters a batch after.
+    async fn stop_readers(&mut self) {
+        for slot in self.owned.values() {
+            slot.stop.cancel();
+        }
+        for (_, reader) in self.readers.drain() {
+            let _ = reader.await;
+        }
+        self.consumer.context().drop_queues();
     }
 
     /// Sets the re-read gauges, and ends the re-reads whose consumer passed
@@ -786,14 +880,14 @@ impl Pipeline {
         } else {
             HashMap::new()
         };
-        intake::report_rereads(&mut self.owned, &positions);
+        intake::report_rereads(&self.owned, &positions);
     }
 
     /// Sets each owned partition's lag in seconds.
     fn report_lag_seconds(&self) {
         let now = wall_ms();
-        for (&partition, state) in &self.owned {
-            metrics::consumer_lag_seconds(partition, state.lag_seconds(now));
+        for (&partition, slot) in &self.owned {
+            metrics::consumer_lag_seconds(partition, slot.lock().lag_seconds(now));
         }
     }
 
@@ -840,9 +934,11 @@ impl Pipeline {
     /// fence stops the partition (paused, nothing taken or committed until it
     /// is assigned again); the others go on.
     fn check_log(&mut self, partition: i32) {
-        let Some(state) = self.owned.get_mut(&partition) else {
+        let Some(slot) = self.owned.get(&partition).cloned() else {
             return;
         };
+        let mut guard = slot.lock();
+        let state = &mut *guard;
         if state
             .log_checked_at
             .is_some_and(|at| at.elapsed() < PROBE_EVERY)
@@ -881,14 +977,15 @@ impl Pipeline {
         if let Err(error) = self.consumer.pause(&tpl) {
             warn!(partition, %error, "Cannot pause the partition; its messages are dropped.");
         }
-        metrics::fence_ahead(self.owned.values().filter(|s| s.fence_ahead).count());
+        drop(guard);
+        metrics::fence_ahead(self.owned.values().filter(|s| s.lock().fence_ahead).count());
     }
 
     /// Applies ownership changes queued by the rebalance callback.
     fn apply_rebalances(&mut self) {
         let changes = self.consumer.context().take_changes();
         let groups = self.applier.keys().groups().count() as usize;
-        if intake::apply_changes(
+        if let Some(assigned) = intake::apply_changes(
             &mut self.owned,
             &mut self.committer,
             &mut self.epochs,
@@ -897,52 +994,59 @@ impl Pipeline {
             self.settings.dedupe,
         ) {
             self.blocked = false;
+            self.start_readers(assigned);
         }
+    }
+
+    /// Whether a batch the main loop fills is full: the loop then takes no
+    /// message until it is sent. A reader's full batch holds back only its
+    /// reader.
+    fn full_here(&self, partition: i32) -> bool {
+        self.owned.get(&partition).is_some_and(|slot| {
+            let state = slot.lock();
+            !state.read_apart && state.batch.is_full(&self.limits)
+        })
     }
 
     fn after_accept(&mut self, partition: i32) {
         let full = self
             .owned
             .get(&partition)
-            .is_some_and(|s| s.batch.is_full(&self.limits));
+            .is_some_and(|s| s.lock().batch.is_full(&self.limits));
         if full {
-            self.dispatch(partition, None);
-            self.blocked = self
-                .owned
-                .get(&partition)
-                .is_some_and(|s| s.batch.is_full(&self.limits));
+            self.dispatch(partition, &HashMap::new());
+            self.blocked = self.full_here(partition);
         }
     }
 
     /// Dispatches every batch that is full or old enough (or any, when
     /// flushing), and probes the fences of partitions that are caught up.
     fn dispatch_ready(&mut self, flush_all: bool) {
-        let ready: Vec<i32> = self
-            .owned
-            .iter()
-            .filter(|(p, s)| {
-                !self.busy.contains(p)
-                    && !s.fence_ahead
-                    && if s.batch.is_empty() {
-                        !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
-                    } else {
-                        flush_all || s.batch.is_full(&self.limits) || self.old_enough(**p, s)
-                    }
-            })
-            .map(|(&p, _)| p)
-            .collect();
-        let probing = ready
-            .iter()
-            .any(|p| self.owned.get(p).is_some_and(|s| s.batch.is_empty()));
+        let mut ready = Vec::new();
+        let mut probing = false;
+        for (&p, slot) in &self.owned {
+            let s = slot.lock();
+            let due = !self.busy.contains(&p)
+                && !s.fence_ahead
+                && if s.batch.is_empty() {
+                    !flush_all && s.known.is_some() && s.verified_at.elapsed() >= PROBE_EVERY
+                } else {
+                    flush_all || s.batch.is_full(&self.limits) || self.old_enough(p, &s)
+                };
+            if due {
+                probing |= s.batch.is_empty() && !s.read_apart;
+                ready.push(p);
+            }
+        }
         let positions = if probing {
             self.positions()
         } else {
             HashMap::new()
         };
         for partition in ready {
-            self.dispatch(partition, positions.get(&partition).copied());
+            self.dispatch(partition, &positions);
         }
-        self.blocked = self.owned.values().any(|s| s.batch.is_full(&self.limits));
+        self.blocked = self.owned.keys().any(|&p| self.full_here(p));
     }
 
     /// Whether a partition's batch is old enough to send: at the flush
@@ -988,16 +1092,18 @@ impl Pipeline {
     /// free and no freeze holds. A partition without one sends the offsets up
     /// to `position` that it passed without a message, or else a probe of its
     /// fences.
-    fn dispatch(&mut self, partition: i32, position: Option<i64>) {
+    fn dispatch(&mut self, partition: i32, positions: &HashMap<i32, i64>) {
         if self.busy.contains(&partition)
             || self.busy.len() >= self.settings.batching.max_in_flight
             || self.following.as_ref().is_some_and(Following::frozen)
         {
             return;
         }
-        let Some(state) = self.owned.get_mut(&partition) else {
+        let Some(slot) = self.owned.get(&partition).cloned() else {
             return;
         };
+        let state = &mut *slot.lock();
+        let position = state.position_in(partition, positions);
         if state.pending_seek.is_some() || state.fence_ahead {
             return;
         }
@@ -1043,6 +1149,8 @@ impl Pipeline {
             })
         });
         state.buffer_sent();
+        // A reader waiting for room takes messages again.
+        slot.poke.notify_one();
         let job = Job {
             partition,
             epoch: state.epoch,
@@ -1122,9 +1230,10 @@ impl Pipeline {
         }
         // A partition stopped meanwhile (its log ends before its fence) is
         // not committed on the log that replaced the one it was read from.
-        let current = self
-            .owned
-            .get_mut(&partition)
+        let slot = self.owned.get(&partition).cloned();
+        let mut guard = slot.as_ref().map(|slot| slot.lock());
+        let current = guard
+            .as_deref_mut()
             .filter(|s| s.epoch == done.epoch && !s.fence_ahead);
         let (established, replies) = match finished {
             Finished::Resync { known } => {
@@ -1137,6 +1246,7 @@ impl Pipeline {
                     resume,
                     "Fences found ahead of or behind this read; re-reading from the lowest."
                 );
+                drop(guard);
                 return self.resync(partition, resume);
             }
             Finished::Scripts {
@@ -1178,6 +1288,7 @@ impl Pipeline {
             return Ok(());
         }
         let resume = tracker.resume_at();
+        drop(guard);
         warn_discontinued((partition, done.start, done.last), &replies, resume);
         self.resync(partition, resume)
     }
@@ -1185,25 +1296,34 @@ impl Pipeline {
     /// Drops the partition's buffer and moves the consumer to `resume`.
     fn resync(&mut self, partition: i32, resume: i64) -> Result<(), RunError> {
         metrics::resynced();
-        let Some(state) = self.owned.get_mut(&partition) else {
+        let Some(slot) = self.owned.get(&partition) else {
             return Ok(());
         };
-        state.batch.clear();
-        state.letters.clear();
-        state.buffer_sent();
-        state.next = Some(resume);
-        state.pending_seek = Some(resume);
-        intake::restart_window(partition, state, self.settings.dedupe);
+        {
+            let state = &mut *slot.lock();
+            state.batch.clear();
+            state.letters.clear();
+            state.buffer_sent();
+            state.next = Some(resume);
+            state.seek_to(resume);
+            intake::restart_window(partition, state, self.settings.dedupe);
+        }
         self.retry_seeks();
         Ok(())
     }
 
     /// Tries every pending seek once; failures are retried on the next tick.
+    /// A partition with a reader is sought by its reader, which is woken.
     fn retry_seeks(&mut self) {
-        for (&partition, state) in self.owned.iter_mut() {
+        for (&partition, slot) in &self.owned {
+            let state = &mut *slot.lock();
             let Some(resume) = state.pending_seek else {
                 continue;
             };
+            if state.read_apart {
+                slot.poke.notify_one();
+                continue;
+            }
             let offset = Offset::Offset(resume);
             match self.consumer.seek(
                 &self.settings.kafka.topic,
@@ -1222,6 +1342,7 @@ impl Pipeline {
     async fn drain(&mut self) {
         let deadline = tokio::time::Instant::now() + self.settings.batching.shutdown_timeout;
         self.apply_rebalances();
+        self.stop_readers().await;
         self.dispatch_ready(true);
         while !self.in_flight.is_empty() {
             tokio::select! {

@@ -25,6 +25,7 @@ use rdkafka::consumer::Consumer;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use super::reader::View;
 use super::{Pipeline, RunError, intake};
 use crate::domain::generation;
 use crate::domain::versions::RouteWatch;
@@ -157,6 +158,10 @@ impl Pipeline {
             }
         };
         self.table = self.watch.current();
+        self.reading.set_view(View {
+            groups: self.applier.keys().groups().clone(),
+            watch: self.watch.clone(),
+        });
         true
     }
 
@@ -169,9 +174,10 @@ impl Pipeline {
             Err(source) => return Err(RunError::Apply { partition, source }),
         };
         self.epochs += 1;
-        let Some(state) = self.owned.get_mut(&partition) else {
+        let Some(slot) = self.owned.get(&partition).cloned() else {
             return Ok(true);
         };
+        let state = &mut *slot.lock();
         let before = state
             .known
             .as_ref()
@@ -189,7 +195,7 @@ impl Pipeline {
                 state.known = Some(known);
                 state.assigned = None;
                 state.next = Some(resume);
-                state.pending_seek = Some(resume);
+                state.seek_to(resume);
             }
             None => {
                 // The new generation never counted this partition: start
@@ -202,7 +208,11 @@ impl Pipeline {
                 state.known = None;
                 state.assigned = Some(found);
                 state.next = before;
-                state.pending_seek = before;
+                match before {
+                    Some(before) => state.seek_to(before),
+                    // A reader places its consumer where the group left it.
+                    None => state.placing = state.read_apart,
+                }
             }
         }
         intake::restart_window(partition, state, self.settings.dedupe);

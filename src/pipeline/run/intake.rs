@@ -28,12 +28,20 @@
 //! many at most, never behind the rest of the re-read. A re-read ends when
 //! the window reaches the fences, or when the consumer's position passes them
 //! without a record (transaction markers); its length is timed.
+//!
+//! A partition whose queue was split at its assignment is taken by a reader
+//! of its own (see `reader`); the main loop and the reader share its state
+//! under one lock, and every position the consumer is sent to is sent by the
+//! reader, so no message it took before a seek is taken after it.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdkafka::Message;
 use rdkafka::message::BorrowedMessage;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::domain::fence::{PartitionFences, Tracker};
@@ -85,7 +93,45 @@ pub(super) struct Owned {
     pub(super) window: Option<Window>,
     /// The re-read rebuilding the window below the fences, while it runs.
     pub(super) reread: Option<Reread>,
+    /// A reader of its own takes this partition's messages from its queue.
+    pub(super) read_apart: bool,
+    /// The reader has still to place the consumer at the position the
+    /// assignment gave (the group's committed offset, or the log's start):
+    /// messages are dropped until it has.
+    pub(super) placing: bool,
+    /// The consumer's position as the reader last read it, with every
+    /// message below it taken: for a reader's partition, what
+    /// `Pipeline::positions` reads for the others.
+    pub(super) position: Option<i64>,
 }
+
+/// An owned partition's state, shared by the main loop and its reader.
+pub(super) struct Slot {
+    state: Mutex<Owned>,
+    /// Wakes the reader: a seek is asked for, or its batch has room again.
+    pub(super) poke: Notify,
+    /// Cancelled when the ownership ends: its reader stops.
+    pub(super) stop: CancellationToken,
+}
+
+impl Slot {
+    fn new(state: Owned) -> Self {
+        Self {
+            state: Mutex::new(state),
+            poke: Notify::new(),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// The partition's state; a panic while it was held ends the process
+    /// anyway, so a poisoned lock is taken as it is.
+    pub(super) fn lock(&self) -> MutexGuard<'_, Owned> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The partitions this consumer owns.
+pub(super) type Owning = HashMap<i32, Arc<Slot>>;
 
 /// A re-read of the log below a partition's fences, which rebuilds its
 /// dedupe window before anything above them is decided.
@@ -113,6 +159,15 @@ pub(super) enum Intake {
 }
 
 impl Owned {
+    /// The consumer's position in this partition with every message below
+    /// it taken: its reader's reading, or else the consumer's `positions`.
+    pub(super) fn position_in(&self, partition: i32, positions: &HashMap<i32, i64>) -> Option<i64> {
+        match self.read_apart {
+            true => self.position,
+            false => positions.get(&partition).copied(),
+        }
+    }
+
     /// How far behind the partition's counts are, in seconds: the age of
     /// the oldest message fetched and not yet applied, 0 when none waits. A
     /// partition whose first batch never lands ages like any other.
@@ -137,6 +192,19 @@ impl Owned {
         }
     }
 
+    /// Whether a message would be looked at: not while the partition is
+    /// stopped, or while the consumer is on its way to another position.
+    pub(super) fn settled(&self) -> bool {
+        !self.fence_ahead && self.pending_seek.is_none() && !self.placing
+    }
+
+    /// Sends the consumer to `offset`: what was read from the old position
+    /// is dropped until the seek lands.
+    pub(super) fn seek_to(&mut self, offset: i64) {
+        self.pending_seek = Some(offset);
+        self.position = None;
+    }
+
     /// The buffer was sent as a batch, or dropped to be read again: its
     /// messages wait until a batch is applied.
     pub(super) fn buffer_sent(&mut self) {
@@ -146,19 +214,24 @@ impl Owned {
     }
 }
 
-/// Applies ownership changes; `true` if there were any. Borrows only what
-/// it changes, so it can run while a received message still borrows the
-/// consumer: the callback that queued the changes ran inside that very
-/// `recv()`, and the message may belong to a partition assigned by it.
+/// Applies ownership changes; returns the partitions assigned, or `None`
+/// when there was no change. Borrows only what it changes, so it can run
+/// while a received message still borrows the consumer: the callback that
+/// queued the changes ran inside that very `recv()`, and the message may
+/// belong to a partition assigned by it. A revoked partition's reader is
+/// told to stop.
 pub(super) fn apply_changes(
-    owned: &mut HashMap<i32, Owned>,
+    owned: &mut Owning,
     committer: &mut Committer,
     epochs: &mut u64,
     groups: usize,
     changes: Vec<Rebalanced>,
     dedupe: DedupeSettings,
-) -> bool {
-    let any = !changes.is_empty();
+) -> Option<Vec<i32>> {
+    if changes.is_empty() {
+        return None;
+    }
+    let mut assigned = Vec::new();
     for change in changes {
         match change {
             Rebalanced::Assigned(assignments) => {
@@ -177,34 +250,38 @@ pub(super) fn apply_changes(
                         }
                         _ => false,
                     };
-                    owned.insert(
-                        a.partition,
-                        Owned {
-                            epoch: *epochs,
-                            next: known.as_ref().map(|(_, t)| t.resume_at()),
-                            assigned: if known.is_some() { None } else { a.fences },
-                            known,
-                            batch: Batch::new(),
-                            letters: Vec::new(),
-                            advanced_at: vec![Instant::now(); groups],
-                            verified_at: Instant::now(),
-                            pending_seek: None,
-                            oldest_buffered_ms: None,
-                            oldest_sent_ms: None,
-                            fence_ahead,
-                            log_checked_at: None,
-                            window: None,
-                            reread: None,
-                        },
-                    );
-                    if let Some(state) = owned.get_mut(&a.partition) {
-                        restart_window(a.partition, state, dedupe);
+                    let mut state = Owned {
+                        epoch: *epochs,
+                        next: known.as_ref().map(|(_, t)| t.resume_at()),
+                        assigned: if known.is_some() { None } else { a.fences },
+                        known,
+                        batch: Batch::new(),
+                        letters: Vec::new(),
+                        advanced_at: vec![Instant::now(); groups],
+                        verified_at: Instant::now(),
+                        pending_seek: None,
+                        oldest_buffered_ms: None,
+                        oldest_sent_ms: None,
+                        fence_ahead,
+                        log_checked_at: None,
+                        window: None,
+                        reread: None,
+                        read_apart: false,
+                        placing: false,
+                        position: None,
+                    };
+                    restart_window(a.partition, &mut state, dedupe);
+                    if let Some(previous) = owned.insert(a.partition, Arc::new(Slot::new(state))) {
+                        previous.stop.cancel();
                     }
+                    assigned.push(a.partition);
                 }
             }
             Rebalanced::Revoked(partitions) => {
                 for p in partitions {
-                    owned.remove(&p);
+                    if let Some(slot) = owned.remove(&p) {
+                        slot.stop.cancel();
+                    }
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
                     metrics::consumer_lag_seconds(p, 0.0);
@@ -219,17 +296,23 @@ pub(super) fn apply_changes(
                     metrics::consumer_lag_seconds(p, 0.0);
                     metrics::dedupe_reread(p, Duration::ZERO, 0);
                 }
-                owned.clear();
+                for (_, slot) in owned.drain() {
+                    slot.stop.cancel();
+                }
+                assigned.clear();
                 health::unassigned();
             }
         }
         // An assignment, even an empty one, tells readiness the consumer
         // has joined its group.
         metrics::assigned(owned.len());
-        metrics::fence_ahead(owned.values().filter(|s| s.fence_ahead).count());
+        metrics::fence_ahead(owned.values().filter(|s| s.lock().fence_ahead).count());
         health::assigned(owned.len());
     }
-    any
+    // A partition revoked after its assignment, in the same changes, is not
+    // read.
+    assigned.retain(|p| owned.contains_key(p));
+    Some(assigned)
 }
 
 /// Adds one message to its partition's batch.
@@ -240,7 +323,7 @@ pub(super) fn apply_changes(
 /// the fence's position lay beyond the log's end, and the reset went back to
 /// its start. The second is handed back as [`Intake::BelowFence`].
 pub(super) fn accept(
-    owned: &mut HashMap<i32, Owned>,
+    state: &mut Owned,
     groups: &SlotGroups,
     message: &BorrowedMessage<'_>,
     timestamp: i64,
@@ -250,10 +333,7 @@ pub(super) fn accept(
 ) -> Intake {
     let partition = message.partition();
     let offset = message.offset();
-    let Some(state) = owned.get_mut(&partition) else {
-        return Intake::Dropped;
-    };
-    if state.fence_ahead || state.pending_seek.is_some() {
+    if !state.settled() {
         return Intake::Dropped;
     }
     if state.next.is_some_and(|next| offset < next) {
@@ -360,7 +440,7 @@ pub(super) fn restart_window(partition: i32, state: &mut Owned, dedupe: DedupeSe
             partition,
             from, resume, "Re-reading the dedupe window below the fences."
         );
-        state.pending_seek = Some(from);
+        state.seek_to(from);
         // A partition stopped with its fence ahead of its log reads nothing.
         if !state.fence_ahead {
             state.reread = Some(Reread {
@@ -391,15 +471,17 @@ fn reread_reached(partition: i32, state: &mut Owned, reached: i64) {
 }
 
 /// Sets each owned partition's re-read gauges: the running re-read's age and
-/// the offsets it has left. A re-read whose consumer `positions` show past the
+/// the offsets it has left. A re-read whose consumer `positions` (or, for a
+/// partition with a reader, the position its reader read) show past the
 /// fences ends here: the records below them were all seen, and what lay
 /// between the last one and the fences held no record (transaction markers),
 /// so no record would end it in [`accept`].
-pub(super) fn report_rereads(owned: &mut HashMap<i32, Owned>, positions: &HashMap<i32, i64>) {
-    for (&partition, state) in owned.iter_mut() {
+pub(super) fn report_rereads(owned: &Owning, positions: &HashMap<i32, i64>) {
+    for (&partition, slot) in owned {
+        let state = &mut *slot.lock();
         // A position read before a pending seek lands is the old one.
         if state.pending_seek.is_none()
-            && let Some(&position) = positions.get(&partition)
+            && let Some(position) = state.position_in(partition, positions)
         {
             reread_reached(partition, state, position);
         }
@@ -414,30 +496,28 @@ pub(super) fn report_rereads(owned: &mut HashMap<i32, Owned>, positions: &HashMa
     }
 }
 
-/// Whether a message of `partition` at `offset` would be decided (taken
-/// into a batch) rather than dropped or used only to rebuild a window: only
-/// such a message needs routing.
-pub(super) fn decides(owned: &HashMap<i32, Owned>, partition: i32, offset: i64) -> bool {
-    owned.get(&partition).is_some_and(|state| {
-        !state.fence_ahead
-            && state.pending_seek.is_none()
-            && state.next.is_none_or(|next| offset >= next)
-    })
+/// Whether a message at `offset` would be decided (taken into a batch)
+/// rather than dropped or used only to rebuild a window: only such a message
+/// needs routing.
+pub(super) fn decides(state: &Owned, offset: i64) -> bool {
+    state.settled() && state.next.is_none_or(|next| offset >= next)
 }
 
-/// Whether an owned partition re-reads below its fences from a position
-/// the consumer has taken.
-pub(super) fn rereading(owned: &HashMap<i32, Owned>) -> bool {
-    owned
-        .values()
-        .any(|s| s.reread.is_some() && s.pending_seek.is_none())
+/// Whether an owned partition the main loop reads re-reads below its fences
+/// from a position the consumer has taken.
+pub(super) fn rereading(owned: &Owning) -> bool {
+    owned.values().any(|slot| {
+        let s = slot.lock();
+        !s.read_apart && s.reread.is_some() && s.pending_seek.is_none()
+    })
 }
 
 /// Sets the dedupe gauges: the time each window covers, and the events all
 /// of them remember.
-pub(super) fn report_windows(owned: &HashMap<i32, Owned>) {
+pub(super) fn report_windows(owned: &Owning) {
     let mut remembered = 0;
-    for (&partition, state) in owned {
+    for (&partition, slot) in owned {
+        let state = slot.lock();
         if let Some(window) = &state.window {
             remembered += window.len();
             metrics::dedupe_window(partition, window.covers_seconds());
@@ -495,7 +575,7 @@ mod tests {
     };
 
     /// Partition 4 assigned with its fence at 999, counted from `origin`.
-    fn assigned(origin: i64) -> HashMap<i32, Owned> {
+    fn assigned(origin: i64) -> Owning {
         let mut owned = HashMap::new();
         let fences = PartitionFences {
             origin: Some(origin),
@@ -520,8 +600,8 @@ mod tests {
 
     #[test]
     fn an_assignment_rereads_the_window_below_the_fences_until_the_position_passes_them() {
-        let mut owned = assigned(0);
-        let state = &owned[&4];
+        let owned = assigned(0);
+        let state = owned[&4].lock();
         let from = DEDUPE.rewind(0, 1_000);
         assert!(from < 1_000);
         assert_eq!(state.pending_seek, Some(from));
@@ -530,36 +610,36 @@ mod tests {
                 .reread
                 .is_some_and(|r| (r.from, r.resume) == (from, 1_000))
         );
+        drop(state);
         // Before the seek lands, the position is the old one and ends nothing.
-        report_rereads(&mut owned, &HashMap::from([(4, 1_000)]));
-        assert!(owned[&4].reread.is_some());
+        report_rereads(&owned, &HashMap::from([(4, 1_000)]));
+        assert!(owned[&4].lock().reread.is_some());
         assert!(!rereading(&owned));
-        owned.get_mut(&4).unwrap().pending_seek = None;
+        owned[&4].lock().pending_seek = None;
         assert!(rereading(&owned));
-        report_rereads(&mut owned, &HashMap::from([(4, 999)]));
-        assert!(owned[&4].reread.is_some());
+        report_rereads(&owned, &HashMap::from([(4, 999)]));
+        assert!(owned[&4].lock().reread.is_some());
         // Past the last record below the fences, only markers: the re-read is over.
-        report_rereads(&mut owned, &HashMap::from([(4, 1_000)]));
-        assert!(owned[&4].reread.is_none());
+        report_rereads(&owned, &HashMap::from([(4, 1_000)]));
+        assert!(owned[&4].lock().reread.is_none());
         assert!(!rereading(&owned));
     }
 
     #[test]
     fn only_what_is_decided_is_routed() {
-        let mut owned = assigned(0);
+        let owned = assigned(0);
         // A seek is pending: whatever arrives is dropped.
-        assert!(!decides(&owned, 4, 1_000));
-        owned.get_mut(&4).unwrap().pending_seek = None;
-        assert!(!decides(&owned, 4, 999), "a re-read record");
-        assert!(decides(&owned, 4, 1_000));
-        assert!(!decides(&owned, 5, 1_000), "not owned");
+        assert!(!decides(&owned[&4].lock(), 1_000));
+        owned[&4].lock().pending_seek = None;
+        assert!(!decides(&owned[&4].lock(), 999), "a re-read record");
+        assert!(decides(&owned[&4].lock(), 1_000));
     }
 
     #[test]
     fn a_partition_at_its_origin_rereads_nothing() {
         let owned = assigned(1_000);
-        assert_eq!(owned[&4].pending_seek, None);
-        assert!(owned[&4].reread.is_none());
+        assert_eq!(owned[&4].lock().pending_seek, None);
+        assert!(owned[&4].lock().reread.is_none());
     }
 
     #[test]

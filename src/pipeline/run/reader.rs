@@ -1,0 +1,334 @@
+//! Reader: one partition's messages, taken from the partition's own queue
+//! and decoded, deduplicated, routed and added to its batch on a task of its
+//! own, so that the thread polling the consumer does none of it and the
+//! partitions of one process are read on every core.
+//!
+//! Invariants kept here:
+//! * one reader at a time takes a partition's queue: the reader of a new
+//!   ownership starts after the reader of the one before has stopped;
+//! * the consumer is sent to a new position only by the partition's reader,
+//!   between two messages: every message it takes after a seek was fetched
+//!   after it (librdkafka drops what is older), so nothing read before a
+//!   resync, a re-read or an assignment enters a batch after it. A new
+//!   ownership starts with such a seek, to the fences' position or, when
+//!   none is known, to where the assignment placed the consumer;
+//! * the position the reader reports for its partition is read between two
+//!   messages, so every message below it has been taken (see
+//!   `Pipeline::dispatch`, which sends the offsets up to it that held no
+//!   message);
+//! * a reader never waits for another partition: it holds only its own
+//!   partition's state, and stops taking when its batch is full until the
+//!   main loop has sent it.
+//!
+//! Order per partition is the queue's; the main loop still dispatches,
+//! applies and commits every batch (see the parent module).
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures::FutureExt;
+use rdkafka::Message;
+use rdkafka::consumer::Consumer;
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::BorrowedMessage;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::DRAIN_AT_MOST;
+use super::intake::{self, Intake, Slot};
+use crate::domain::slots::SlotGroups;
+use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
+use crate::infra::tasks;
+use crate::pipeline::aggregate::Limits;
+use crate::pipeline::consume::{LikeConsumer, PartitionQueue};
+use crate::pipeline::dead_letter::DeadLetters;
+use crate::pipeline::decode::Decoder;
+
+/// What a reader tells the main loop.
+#[derive(Debug)]
+pub(super) enum Event {
+    /// The partition's batch is full: send it.
+    Full(i32),
+    /// A message below the partition's position arrived with no seek asked
+    /// for: its log is to be checked against the fences.
+    BelowFence(i32),
+    /// The partition's queue returned an error.
+    Failed(KafkaError),
+}
+
+/// How the events of the current generation are routed; replaced when the
+/// generation changes.
+pub(super) struct View {
+    pub(super) groups: SlotGroups,
+    pub(super) watch: RouteWatch,
+}
+
+/// What every reader of a pipeline shares.
+pub(super) struct Reading {
+    pub(super) topic: String,
+    pub(super) consumer: Arc<LikeConsumer>,
+    pub(super) decoder: Decoder,
+    pub(super) dead_letters: Option<Arc<DeadLetters>>,
+    pub(super) limits: Limits,
+    /// The routing of the current generation.
+    pub(super) view: RwLock<Arc<View>>,
+    pub(super) events: UnboundedSender<Event>,
+}
+
+impl Reading {
+    fn view(&self) -> Arc<View> {
+        self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Routes from now on with `view`.
+    pub(super) fn set_view(&self, view: View) {
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
+    }
+}
+
+/// How long a refused seek waits before it is tried again (librdkafka
+/// refuses one while the partition's fetcher is still starting).
+const SEEK_RETRY: Duration = Duration::from_millis(10);
+
+/// How long a seek, or the read of the committed offset, may take.
+const PLACE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often an idle reader reads its position: the consumer passes
+/// transaction markers without handing out a message.
+const POSITION_EVERY: Duration = Duration::from_millis(100);
+
+/// Starts the reader of `partition`'s new ownership `slot`, once `previous`
+/// (the reader of the ownership before, if any) has stopped.
+pub(super) fn spawn(
+    partition: i32,
+    slot: Arc<Slot>,
+    queue: PartitionQueue,
+    reading: Arc<Reading>,
+    previous: Option<JoinHandle<()>>,
+) -> JoinHandle<()> {
+    {
+        let mut state = slot.lock();
+        state.read_apart = true;
+        // The ownership starts with the reader's own seek.
+        match (state.pending_seek, state.next) {
+            (Some(_), _) => {}
+            (None, Some(next)) => state.seek_to(next),
+            (None, None) => state.placing = true,
+        }
+    }
+    let reader = Reader {
+        partition,
+        slot,
+        reading,
+        table: None,
+    };
+    tasks::spawn("partition-reader", async move {
+        if let Some(previous) = previous {
+            let _ = previous.await;
+        }
+        reader.read(queue).await;
+    })
+}
+
+struct Reader {
+    partition: i32,
+    slot: Arc<Slot>,
+    reading: Arc<Reading>,
+    /// The registry view the last message was routed with.
+    table: Option<Arc<RouteTable>>,
+}
+
+impl Reader {
+    async fn read(mut self, queue: PartitionQueue) {
+        let mut idle = tokio::time::interval(POSITION_EVERY);
+        idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut retry_at: Option<Instant> = None;
+        loop {
+            if retry_at.is_none_or(|at| at <= Instant::now()) {
+                retry_at = self.place();
+            }
+            let room = {
+                let state = self.slot.lock();
+                !state.batch.is_full(&self.reading.limits)
+            };
+            let retry = retry_at.unwrap_or_else(Instant::now);
+            tokio::select! {
+                biased;
+                _ = self.slot.stop.cancelled() => return,
+                _ = self.slot.poke.notified() => {}
+                _ = tokio::time::sleep_until(retry), if retry_at.is_some() => {}
+                received = queue.recv(), if room => {
+                    if self.take(&queue, received).await {
+                        self.note_position();
+                    }
+                }
+                _ = idle.tick() => self.note_position(),
+            }
+        }
+    }
+
+    /// Sends the consumer where the partition's state asks; returns when to
+    /// try again if librdkafka refused.
+    fn place(&self) -> Option<Instant> {
+        let (target, placing) = {
+            let state = self.slot.lock();
+            (state.pending_seek, state.placing)
+        };
+        let offset = match (target, placing) {
+            (Some(offset), _) => Offset::Offset(offset),
+            (None, true) => match self.committed() {
+                Ok(offset) => offset,
+                Err(error) => {
+                    debug!(partition = self.partition, %error, "Cannot read the committed offset yet; retrying.");
+                    return Some(Instant::now() + SEEK_RETRY);
+                }
+            },
+            (None, false) => return None,
+        };
+        let reading = &self.reading;
+        let sought = tokio::task::block_in_place(|| {
+            reading
+                .consumer
+                .seek(&reading.topic, self.partition, offset, PLACE_TIMEOUT)
+        });
+        if let Err(error) = sought {
+            debug!(partition = self.partition, ?offset, %error, "Seek not accepted yet; retrying.");
+            return Some(Instant::now() + SEEK_RETRY);
+        }
+        let mut state = self.slot.lock();
+        // The main loop may have asked for another position meanwhile.
+        if state.pending_seek == target {
+            state.pending_seek = None;
+            state.placing = false;
+            state.position = None;
+        }
+        None
+    }
+
+    /// Where the assignment placed a partition without known fences: the
+    /// group's committed offset, or the log's start (`auto.offset.reset`).
+    fn committed(&self) -> KafkaResult<Offset> {
+        let reading = &self.reading;
+        let mut list = TopicPartitionList::new();
+        list.add_partition(&reading.topic, self.partition);
+        let found = tokio::task::block_in_place(|| {
+            reading.consumer.committed_offsets(list, PLACE_TIMEOUT)
+        })?;
+        Ok(
+            match found
+                .find_partition(&reading.topic, self.partition)
+                .map(|e| e.offset())
+            {
+                Some(Offset::Offset(offset)) => Offset::Offset(offset),
+                _ => Offset::Beginning,
+            },
+        )
+    }
+
+    /// Takes `first` and what the queue already holds after it, up to
+    /// [`DRAIN_AT_MOST`]; `false` when it stopped early (the batch filled,
+    /// or the ownership ended).
+    async fn take(
+        &mut self,
+        queue: &PartitionQueue,
+        first: KafkaResult<BorrowedMessage<'_>>,
+    ) -> bool {
+        let view = self.reading.view();
+        self.table = Some(view.watch.current());
+        let mut received = Some(first);
+        let mut taken = 0;
+        while let Some(result) = received.take() {
+            if self.slot.stop.is_cancelled() {
+                return false;
+            }
+            match result {
+                Ok(message) => {
+                    if !self.one(&view, &message).await {
+                        return false;
+                    }
+                }
+                Err(error) => {
+                    let _ = self.reading.events.send(Event::Failed(error));
+                }
+            }
+            taken += 1;
+            if taken == DRAIN_AT_MOST {
+                return false;
+            }
+            received = queue.recv().now_or_never();
+        }
+        true
+    }
+
+    /// Takes one message; `false` when the reader is to stop taking.
+    async fn one(&mut self, view: &View, message: &BorrowedMessage<'_>) -> bool {
+        let partition = self.partition;
+        let offset = message.offset();
+        let timestamp = message.timestamp().to_millis().unwrap_or(0);
+        let mut table = self.table.take().unwrap_or_else(|| view.watch.current());
+        let decides = intake::decides(&self.slot.lock(), offset);
+        if decides && table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
+            let mut watch = view.watch.clone();
+            let cluster = view.groups.is_cluster();
+            table = tokio::select! {
+                _ = self.slot.stop.cancelled() => return false,
+                table = watch.route_for(partition, offset, timestamp, cluster) => table,
+            };
+        }
+        let reading = &self.reading;
+        let (intake, full) = {
+            let mut state = self.slot.lock();
+            let intake = intake::accept(
+                &mut state,
+                &view.groups,
+                message,
+                timestamp,
+                &table,
+                &reading.decoder,
+                reading.dead_letters.as_deref(),
+            );
+            (intake, state.batch.is_full(&reading.limits))
+        };
+        self.table = Some(table);
+        match intake {
+            Intake::Taken if full => {
+                let _ = reading.events.send(Event::Full(partition));
+                false
+            }
+            Intake::BelowFence => {
+                let _ = reading.events.send(Event::BelowFence(partition));
+                true
+            }
+            Intake::Taken | Intake::Dropped => true,
+        }
+    }
+
+    /// Reads the consumer's position in the partition, when it matters: the
+    /// batch is empty (offsets up to it that held no message are sent as
+    /// passed) or a re-read is running (it ends there).
+    fn note_position(&self) {
+        {
+            let state = self.slot.lock();
+            if !state.settled() || (!state.batch.is_empty() && state.reread.is_none()) {
+                return;
+            }
+        }
+        let reading = &self.reading;
+        let Ok(list) = reading.consumer.position() else {
+            return;
+        };
+        let Some(Offset::Offset(position)) = list
+            .find_partition(&reading.topic, self.partition)
+            .map(|e| e.offset())
+        else {
+            return;
+        };
+        let mut state = self.slot.lock();
+        if state.settled() {
+            state.position = Some(position);
+        }
+    }
+}
