@@ -346,7 +346,8 @@ impl TallyContext {
             });
         }
         let own_queues = self.split_queues(&partitions);
-        info!(partitions = %resume.join(" "), own_queues, "Partitions assigned.");
+        info!(partitions = %resume.join(" "), "Partitions assigned.");
+        debug!(own_queues, "Assigned partitions with a queue of their own.");
         let mut ahead = TopicPartitionList::new();
         let mut fit = TopicPartitionList::new();
         for a in &assignments {
