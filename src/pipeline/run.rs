@@ -44,7 +44,8 @@
 //! Parts: `intake` (ownership changes, and messages entering a partition's
 //! batch), `reader` (a partition's messages taken off the polling thread),
 //! `scripts` (a closed batch planned and sent as one script per slot group),
-//! `follow` (switching generations); this file runs the loop.
+//! `follow` (switching generations), `start` (the checks before the consumer
+//! subscribes); this file runs the loop.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -56,7 +57,6 @@ use rdkafka::Message;
 use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
-use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::Offset;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -64,11 +64,9 @@ use tracing::{debug, info, warn};
 
 use crate::domain::fence::Decision;
 use crate::domain::generation::{self, GenerationWatch};
-use crate::domain::layout::adopt::{self, Survey};
-use crate::domain::layout::{self, LayoutError, OpenStore, Record, WriterLayout};
-use crate::domain::routing::KeyLayout;
+use crate::domain::layout::{self, LayoutError};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
-use crate::infra::config::{ConfigError, DEFAULT_BUCKETS, KafkaSettings, RunSettings};
+use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::security::KafkaAcl;
 use crate::infra::store::ConnectError;
 use crate::infra::{metrics, tasks};
@@ -85,10 +83,13 @@ mod follow;
 mod intake;
 mod reader;
 mod scripts;
+mod start;
 
 use intake::{IdleOwnership, Intake, Owned, Owning};
 use reader::{Event, Reading, View};
 use scripts::{Done, Finished, Job, plan};
+pub use start::writer_layout;
+use start::{FirstStart, check_layout, check_logs, dead_letters, follow_pointer};
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -363,224 +364,6 @@ fn warn_discontinued(
         .map(|(g, r, _)| format!("{g}:{:?}@{}", r.decision, r.fence))
         .collect();
     warn!(partition, start, last, resume, groups = %found.join(" "), "Fences do not continue this batch; re-reading from the lowest.");
-}
-
-/// Checks every partition's fences against its log (see [`guard`]), once,
-/// before the consumer fetches anything: the broker is asked for the
-/// watermarks while nothing else of this consumer is in flight. A fence
-/// ahead of its log stops the start; every assignment checks again (see
-/// [`consume`]), and reports what retention deleted.
-async fn check_logs(
-    consumer: &LikeConsumer,
-    applier: &Applier,
-    (topic, partitions): (&str, usize),
-    redis_shown: &str,
-) -> Result<(), RunError> {
-    for partition in 0..partitions as i32 {
-        let fences = applier.read_fences(partition).await.map_err(|source| {
-            RunError::Redis(ConnectError {
-                url: redis_shown.to_string(),
-                source,
-            })
-        })?;
-        if let Some((_, tracker)) = fences.tracker() {
-            let resume = tracker.resume_at();
-            tokio::task::block_in_place(|| guard::check_log(consumer, topic, partition, resume))?;
-        }
-    }
-    Ok(())
-}
-
-/// What the layout check needs to tell a first start from a store that lost
-/// everything.
-struct FirstStart<'a> {
-    consumer: &'a LikeConsumer,
-    partitions: usize,
-    /// `tally run` itself (a rebuild reads with a group of its own).
-    live: bool,
-}
-
-/// Writes the prefix's layout record on the first start (adopting what an
-/// earlier version wrote without one), refuses settings that differ from it,
-/// and returns it. A store with no record and no data under a group that has
-/// committed offsets lost everything: refused, unless the loss is accepted.
-async fn check_layout(
-    opened: &OpenStore,
-    settings: &RunSettings,
-    first: FirstStart<'_>,
-) -> Result<Record, RunError> {
-    let base = settings.store.prefix();
-    let kafka = &settings.kafka;
-    let unrecorded = layout::read_record(&opened.store, base).await?.is_none();
-    // Only while the prefix has no record: one SCAN of the prefix, once. A
-    // rebuild recounts from the log into a generation of its own, so there is
-    // nothing for it to adopt (and its own keys must not read as such).
-    let survey = match unrecorded && first.live {
-        true => tokio::task::block_in_place(|| adopt::survey(opened.target(), &opened.keys))
-            .map_err(LayoutError::from)?,
-        false => Survey::default(),
-    };
-    let data = survey.holds_data();
-    if data && settings.buckets.is_none() {
-        return Err(LayoutError::AdoptWithoutBuckets {
-            prefix: base.to_string(),
-            key: layout::record_key(base),
-            seen: survey
-                .highest
-                .as_ref()
-                .map(|(b, _)| format!("; its version-0 buckets go up to {b}"))
-                .unwrap_or_default(),
-        }
-        .into());
-    }
-    if unrecorded {
-        let buckets = settings.buckets.unwrap_or(DEFAULT_BUCKETS);
-        survey
-            .check(&opened.keys, buckets, &kafka.group, &kafka.topic)
-            .map_err(LayoutError::from)?;
-    }
-    if unrecorded && !data && first.live {
-        let committed = tokio::task::block_in_place(|| {
-            guard::committed(first.consumer, &kafka.topic, first.partitions)
-        })?;
-        if !committed.is_empty() {
-            let shown = committed
-                .iter()
-                .take(5)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(" ");
-            if !settings.accept_lost_counts {
-                return Err(GuardError::LostStore {
-                    prefix: base.to_string(),
-                    group: kafka.group.clone(),
-                    topic: kafka.topic.clone(),
-                    committed: shown,
-                }
-                .into());
-            }
-            warn!(
-                committed = %shown,
-                "Redis holds nothing for this prefix: counting from the group's committed offsets, as --accept-lost-counts says; every like before them is lost."
-            );
-        }
-    }
-    let writer = writer_layout(settings);
-    let proposed = Record::of_writer(&writer, wall_ms());
-    let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
-    if written {
-        if data {
-            warn!(
-                key = %layout::record_key(base),
-                buckets = record.buckets,
-                slot_groups = record.slot_groups,
-                group = %record.group,
-                topic = %record.topic,
-                found = %adoption_found(&survey),
-                reads = %adoption_reads(&opened.keys, &record),
-                "Adopted data written without a layout record: the record now holds this start's settings; every later start must repeat them."
-            );
-        } else {
-            info!(
-                key = %layout::record_key(base),
-                buckets = record.buckets,
-                slot_groups = record.slot_groups,
-                "Layout record written."
-            );
-        }
-    }
-    layout::check_writer(opened, &writer, &record).await?;
-    Ok(record)
-}
-
-/// The layout a writer with `settings` uses, as its prefix's record holds it.
-pub fn writer_layout(settings: &RunSettings) -> WriterLayout {
-    WriterLayout {
-        buckets: settings.buckets,
-        slot_groups: layout::slot_groups(&settings.store).count(),
-        topic: settings.kafka.topic.clone(),
-        group: settings.kafka.group.clone(),
-    }
-}
-
-/// What an adoption found under the prefix, for its log line.
-fn adoption_found(survey: &Survey) -> String {
-    let counters = match &survey.highest {
-        Some((b, _)) => format!("{} version-0 counters, buckets up to {b}", survey.counters),
-        None => "no version-0 counters".to_string(),
-    };
-    format!("fences of {}; {counters}", survey.fenced_text())
-}
-
-/// What a reader sums for each post after an adoption: the record's
-/// version-0 buckets, then any versions of the post's own.
-fn adoption_reads(keys: &KeyLayout, record: &Record) -> String {
-    let last = record.buckets - 1;
-    let tag = match keys.groups().tag(0) {
-        Some(_) => ":{<tag>}",
-        None => "",
-    };
-    let key = |b: u32| format!("{}:likes:<post>:{b}{tag}", keys.prefix());
-    match last {
-        0 => format!(
-            "{} per post, plus its own versions (`tally inspect post <id>` lists them)",
-            key(0)
-        ),
-        _ => format!(
-            "{} buckets per post, {} to {}, plus its own versions (`tally inspect post <id>` lists them)",
-            record.buckets,
-            key(0),
-            key(last)
-        ),
-    }
-}
-
-/// A live pipeline's view of the generation pointer; `None` for a pipeline
-/// whose keys are fixed for the run.
-async fn follow_pointer(
-    opened: &OpenStore,
-    settings: &RunSettings,
-    mode: &Mode,
-    shutdown: &CancellationToken,
-) -> Result<Option<Following>, redis::RedisError> {
-    if mode.fixed_prefix.is_some() {
-        return Ok(None);
-    }
-    let watch = GenerationWatch::start(
-        opened.store.clone(),
-        settings.store.prefix().to_string(),
-        settings.hot.route_refresh,
-        shutdown.child_token(),
-    )
-    .await?;
-    Ok(Some(Following {
-        current: watch.current().current,
-        watch,
-        frozen_since: None,
-        refused_back: None,
-        highest_recorded: false,
-    }))
-}
-
-/// The dead-letter producer, after checking its topic exists.
-fn dead_letters(
-    consumer: &LikeConsumer,
-    kafka: &KafkaSettings,
-) -> Result<Option<Arc<DeadLetters>>, RunError> {
-    let Some(topic) = &kafka.dead_letter_topic else {
-        return Ok(None);
-    };
-    consume::check_topic(consumer, &kafka.brokers, topic, "dead-letter-topic")?;
-    let producer: FutureProducer = kafka
-        .secure_client_config()
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .create()?;
-    Ok(Some(Arc::new(DeadLetters::new(
-        producer,
-        topic,
-        &kafka.topic,
-    ))))
 }
 
 /// Whether a batch `age` old is sent, for a partition whose next offset to
