@@ -9,7 +9,10 @@
 //! * Redis that lost everything while the group has committed offsets: refused, and with
 //!   `--accept-lost-counts` counted from those offsets;
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
-//!   `tally reset-fences --yes` counts the new log on top of the stored counts.
+//!   `tally reset-fences --yes` counts the new log on top of the stored counts;
+//! * a group whose committed offsets trail fences that are at the log's end (the last batch
+//!   applied just before its owner died): the next owner commits the fences within seconds,
+//!   though nothing new arrives, so the lag it shows is the lag there is.
 //!
 //! Each test has topics, a group and a key prefix of its own on the shared broker; the broker
 //! that comes back empty is a private one.
@@ -21,7 +24,7 @@ use std::time::Duration;
 
 use common::*;
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 const PARTITIONS: i32 = 4;
@@ -173,6 +176,45 @@ fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
             },
         )
         .collect()
+}
+
+/// Sets the group's committed offsets of every partition to `offset`, as a member that died
+/// before committing its last batch leaves them. The group must have no member.
+fn commit_back(run: &Scenario, partitions: i32, offset: i64) {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &run.brokers)
+        .set("group.id", &run.group)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(&run.topic, p, Offset::Offset(offset))
+            .unwrap();
+    }
+    consumer.commit(&tpl, CommitMode::Sync).unwrap();
+}
+
+#[test]
+fn commits_that_trail_fences_at_the_log_end_catch_up_without_new_events() {
+    let run = Scenario::new("e2e_guards_trail", "trail", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let args = run.tally_args(&redis.url());
+    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    count_all(&run, &mut conn, &args, w.events.len());
+    let hwms = run.hwms(w.events.len());
+    commit_back(&run, PARTITIONS, 0);
+    assert_eq!(committed(&run, PARTITIONS), vec![0; PARTITIONS as usize]);
+
+    // The fences are at every log's end: nothing is left to read, and the commits follow them.
+    let mut tally = Tally::spawn_args("tally", &args);
+    wait_for("the group's commits", Duration::from_secs(30), || {
+        tally.assert_running();
+        (committed(&run, PARTITIONS) == hwms).then_some(())
+    });
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &w.truth);
 }
 
 #[test]

@@ -40,10 +40,14 @@ impl Committer {
     }
 
     /// Records that everything through `last` of `partition` is in Redis and
-    /// stores `last + 1` for the consumer's next commit.
+    /// stores `last + 1` for the consumer's next commit, unless it is stored
+    /// already.
     pub fn applied(&mut self, consumer: &LikeConsumer, partition: i32, last: i64) {
         let next = last + 1;
-        self.applied.insert(partition, next);
+        // A probe confirms the same offset every second; it is stored once.
+        if self.applied.insert(partition, next) == Some(next) {
+            return;
+        }
         let mut tpl = TopicPartitionList::new();
         if tpl
             .add_partition_offset(&self.topic, partition, Offset::Offset(next))

@@ -306,8 +306,13 @@ impl Pipeline {
             metrics::batch_done(continues, done.messages, done.bad, increments, done.took);
         }
         if continues {
+            // A probe that continues confirms every offset below the fences:
+            // it is stored too, so that a partition assigned with its fences
+            // at its log's end, whose last batch applied just before its
+            // previous owner died, does not show that batch as lag for as
+            // long as nothing new arrives.
+            self.committer.applied(&self.consumer, partition, done.last);
             if !probe {
-                self.committer.applied(&self.consumer, partition, done.last);
                 metrics::applied_offset(partition, done.last);
                 // The batch covered every offset before the buffer's.
                 state.oldest_sent_ms = None;
