@@ -26,9 +26,10 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use rdkafka::Message;
 use rdkafka::consumer::Consumer;
+use rdkafka::consumer::stream_consumer::MessageStream;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -43,7 +44,7 @@ use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
 use crate::infra::tasks;
 use crate::pipeline::aggregate::Limits;
-use crate::pipeline::consume::{LikeConsumer, PartitionQueue};
+use crate::pipeline::consume::{LikeConsumer, PartitionQueue, TallyContext};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::decode::Decoder;
 
@@ -143,6 +144,9 @@ struct Reader {
 
 impl Reader {
     async fn read(mut self, queue: PartitionQueue) {
+        // One stream for the whole ownership: its waker is registered once,
+        // not once per message.
+        let mut messages = queue.stream();
         let mut idle = tokio::time::interval(POSITION_EVERY);
         idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut retry_at: Option<Instant> = None;
@@ -160,8 +164,8 @@ impl Reader {
                 _ = self.slot.stop.cancelled() => return,
                 _ = self.slot.poke.notified() => {}
                 _ = tokio::time::sleep_until(retry), if retry_at.is_some() => {}
-                received = queue.recv(), if room => {
-                    if self.take(&queue, received).await {
+                Some(received) = messages.next(), if room => {
+                    if self.take(&mut messages, received).await {
                         self.note_position();
                     }
                 }
@@ -233,7 +237,7 @@ impl Reader {
     /// or the ownership ended).
     async fn take(
         &mut self,
-        queue: &PartitionQueue,
+        messages: &mut MessageStream<'_, TallyContext>,
         first: KafkaResult<BorrowedMessage<'_>>,
     ) -> bool {
         let view = self.reading.view();
@@ -258,7 +262,7 @@ impl Reader {
             if taken == DRAIN_AT_MOST {
                 return false;
             }
-            received = queue.recv().now_or_never();
+            received = messages.next().now_or_never().flatten();
         }
         true
     }
