@@ -180,6 +180,11 @@ pub struct BenchConfig {
     /// (and the `--reread` table between `reread:begin`/`reread:end`).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Keeps every measured consumer (the baselines and each `tally run`) on these CPUs,
+    /// a `taskset -c` list such as `0` or `0,1`; the broker, the stores and the producers
+    /// keep every core. For the table of events/s against cores.
+    #[arg(long, value_name = "LIST")]
+    pub cpus: Option<String>,
 }
 
 impl BenchConfig {
@@ -206,6 +211,19 @@ impl BenchConfig {
         let most = tally::pipeline::dedupe::MAX_WINDOW;
         if self.reread.iter().any(|&w| !(1000..=most).contains(&w)) {
             return bad("reread", &format!("a window is 1000 to {most} offsets"));
+        }
+        if let Some(cpus) = &self.cpus {
+            let runs = std::process::Command::new("taskset")
+                .args(["-c", cpus, "true"])
+                .status();
+            if !runs.is_ok_and(|s| s.success()) {
+                return bad(
+                    "cpus",
+                    &format!(
+                        "`taskset -c {cpus} true` failed: give CPUs this machine has (taskset comes with util-linux: apt-get install util-linux)"
+                    ),
+                );
+            }
         }
         if self.reread_rate == 0 {
             return bad("reread-rate", "must be at least 1");
@@ -238,6 +256,8 @@ struct Env {
     tally: Tally,
     /// The Valkey server the second store's rows use, and its version.
     valkey: Option<(String, String)>,
+    /// The CPUs every measured consumer is kept on (`--cpus`).
+    cpus: Option<String>,
 }
 
 impl Env {
@@ -254,6 +274,7 @@ impl Env {
             tally_args: self.tally_args.clone(),
             tally: self.tally.clone(),
             valkey: None,
+            cpus: self.cpus.clone(),
         }
     }
 
@@ -269,7 +290,7 @@ impl Env {
     ) -> Result<std::process::Child> {
         let [topic, group, prefix] = names;
         self.tally
-            .command()
+            .command_on(self.cpus.as_deref())
             .arg("run")
             .args([
                 "--brokers",
@@ -454,6 +475,7 @@ fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
         tally_args: config.tally_args.clone(),
         tally,
         valkey,
+        cpus: config.cpus.clone(),
     };
     eprintln!(
         "broker {}, redis {}, logs in {}",

@@ -5,7 +5,7 @@
 //! Children inherit no `TALLY_*` variable: they run with tally's defaults and the flags the
 //! benchmark gives, whatever the shell that started the benchmark has set.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -39,12 +39,35 @@ impl Tally {
     pub fn command(&self) -> Command {
         without_settings(Command::new(&self.path))
     }
+
+    /// A command for `tally`, kept on `cpus` (a `taskset -c` list) when given.
+    pub fn command_on(&self, cpus: Option<&str>) -> Command {
+        on_cpus(&self.path, cpus)
+    }
 }
 
 /// A command for this same binary.
 pub fn lab_command() -> Result<Command> {
+    lab_command_on(None)
+}
+
+/// A command for this same binary, kept on `cpus` (a `taskset -c` list) when given.
+pub fn lab_command_on(cpus: Option<&str>) -> Result<Command> {
     let path = std::env::current_exe().context("locating the tally-lab binary")?;
-    Ok(without_settings(Command::new(path)))
+    Ok(on_cpus(&path, cpus))
+}
+
+/// A command for `program`, started by `taskset -c CPUS` when `cpus` is given: the process
+/// and every thread it starts run only on those CPUs.
+fn on_cpus(program: &Path, cpus: Option<&str>) -> Command {
+    match cpus {
+        Some(cpus) => {
+            let mut command = Command::new("taskset");
+            command.args(["-c", cpus]).arg(program);
+            without_settings(command)
+        }
+        None => without_settings(Command::new(program)),
+    }
 }
 
 /// `command` with every `TALLY_*` variable of this process removed.

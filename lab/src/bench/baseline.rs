@@ -169,7 +169,7 @@ pub(super) fn measure(
     }
     let before = RedisSnapshot::take(&mut conn)?;
     let broker_before = cpu_secs(&env.broker_pid);
-    let output = crate::binaries::lab_command()?
+    let output = crate::binaries::lab_command_on(env.cpus.as_deref())?
         .arg("bench-baseline")
         .args(["--baseline", kind.name()])
         .args([

@@ -119,6 +119,12 @@ fn setup(out: &mut String, config: &BenchConfig, redis_version: &str) -> std::fm
             key_values(&config.kafka_config)
         )?;
     }
+    if let Some(cpus) = &config.cpus {
+        writeln!(
+            out,
+            "Every measured consumer ran under `taskset -c {cpus}`; the broker, the stores and the producers had every core.  "
+        )?;
+    }
     if !config.producer_config.is_empty() {
         writeln!(
             out,
