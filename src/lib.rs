@@ -12,8 +12,9 @@
 //!
 //! ```text
 //! pipeline/   the data path of `tally run`, one module per stage
-//!   run         the loop wiring the stages (intake, scripts, follow)
-//!   consume     the group consumer; every assignment starts at its fences
+//!   run         the loop wiring the stages (start, intake, reader, batches, scripts, follow)
+//!   consume     the group consumer; every assignment starts at its fences, in a
+//!               queue of its own
 //!   decode      message bytes to a validated like, or a bad-message reason
 //!   dedupe      which records repeat a like (the id and action rules), judged
 //!               against a window of the partition's log; fingerprints: its table
