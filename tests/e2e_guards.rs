@@ -154,8 +154,13 @@ fn an_eviction_policy_that_may_drop_keys_is_refused() {
     run.assert_exact(&mut conn, &w.truth);
 }
 
-/// The group's committed offsets, per partition (0 where none).
-fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
+/// A client of the scenario's group, and the list of its topic's partitions, each at `offset`
+/// when one is given.
+fn group_client(
+    run: &Scenario,
+    partitions: i32,
+    offset: Option<i64>,
+) -> (BaseConsumer, TopicPartitionList) {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &run.brokers)
         .set("group.id", &run.group)
@@ -163,8 +168,21 @@ fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
         .unwrap();
     let mut tpl = TopicPartitionList::new();
     for p in 0..partitions {
-        tpl.add_partition(&run.topic, p);
+        match offset {
+            Some(offset) => tpl
+                .add_partition_offset(&run.topic, p, Offset::Offset(offset))
+                .unwrap(),
+            None => {
+                tpl.add_partition(&run.topic, p);
+            }
+        }
     }
+    (consumer, tpl)
+}
+
+/// The group's committed offsets, per partition (0 where none).
+fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
+    let (consumer, tpl) = group_client(run, partitions, None);
     let found = consumer
         .committed_offsets(tpl, Duration::from_secs(10))
         .unwrap();
@@ -181,16 +199,7 @@ fn committed(run: &Scenario, partitions: i32) -> Vec<i64> {
 /// Sets the group's committed offsets of every partition to `offset`, as a member that died
 /// before committing its last batch leaves them. The group must have no member.
 fn commit_back(run: &Scenario, partitions: i32, offset: i64) {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &run.brokers)
-        .set("group.id", &run.group)
-        .create()
-        .unwrap();
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partitions {
-        tpl.add_partition_offset(&run.topic, p, Offset::Offset(offset))
-            .unwrap();
-    }
+    let (consumer, tpl) = group_client(run, partitions, Some(offset));
     consumer.commit(&tpl, CommitMode::Sync).unwrap();
 }
 
