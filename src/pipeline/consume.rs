@@ -167,10 +167,12 @@ impl TallyContext {
             return 0;
         };
         let mut split = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        let mut own = 0;
         for &partition in partitions {
             match consumer.split_partition_queue(&self.topic, partition) {
                 Some(queue) => {
                     split.insert(partition, queue);
+                    own += 1;
                 }
                 None => warn!(
                     partition,
@@ -178,7 +180,7 @@ impl TallyContext {
                 ),
             }
         }
-        partitions.len() - (partitions.iter().filter(|p| !split.contains_key(p)).count())
+        own
     }
 
     /// Notes that `next` was stored for `partition` now, so the answer to the

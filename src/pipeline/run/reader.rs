@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::DRAIN_AT_MOST;
-use super::intake::{self, Intake, Slot};
+use super::intake::{self, Intake, Owned, Slot};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
 use crate::infra::tasks;
@@ -273,28 +273,38 @@ impl Reader {
         let offset = message.offset();
         let timestamp = message.timestamp().to_millis().unwrap_or(0);
         let mut table = self.table.take().unwrap_or_else(|| view.watch.current());
-        let decides = intake::decides(&self.slot.lock(), offset);
-        if decides && table.readiness_of(partition, offset, timestamp) != Readiness::Ready {
-            let mut watch = view.watch.clone();
-            let cluster = view.groups.is_cluster();
-            table = tokio::select! {
-                _ = self.slot.stop.cancelled() => return false,
-                table = watch.route_for(partition, offset, timestamp, cluster) => table,
-            };
-        }
         let reading = &self.reading;
-        let (intake, full) = {
-            let mut state = self.slot.lock();
+        let take = |state: &mut Owned, table: &RouteTable| {
             let intake = intake::accept(
-                &mut state,
+                state,
                 &view.groups,
                 message,
                 timestamp,
-                &table,
+                table,
                 &reading.decoder,
                 reading.dead_letters.as_deref(),
             );
             (intake, state.batch.is_full(&reading.limits))
+        };
+        // One lock per message, unless the registry has to be waited for:
+        // the lock is never held across that wait.
+        let taken = {
+            let mut state = self.slot.lock();
+            let waits = intake::decides(&state, offset)
+                && table.readiness_of(partition, offset, timestamp) != Readiness::Ready;
+            (!waits).then(|| take(&mut state, &table))
+        };
+        let (intake, full) = match taken {
+            Some(taken) => taken,
+            None => {
+                let mut watch = view.watch.clone();
+                let cluster = view.groups.is_cluster();
+                table = tokio::select! {
+                    _ = self.slot.stop.cancelled() => return false,
+                    table = watch.route_for(partition, offset, timestamp, cluster) => table,
+                };
+                take(&mut self.slot.lock(), &table)
+            }
         };
         self.table = Some(table);
         match intake {
