@@ -8,6 +8,7 @@
 pub mod fence;
 pub mod generation;
 pub mod layout;
+pub mod packing;
 pub mod placement;
 pub mod proto;
 pub mod routing;

@@ -97,9 +97,17 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier, u32
     let opened = layout::open(&settings.store).await?;
     let writer = writer_layout(settings);
     let proposed = layout::Record::of_writer(&writer, 0);
+    let mut opened = opened;
     let epoch0 = match layout::read_record(&opened.store, settings.store.prefix()).await? {
         Some(record) => {
-            layout::check_writer(&opened, &writer, &record).await?;
+            // The layout flags name a new generation's packing: a rebuild
+            // checks them against the generation it fills.
+            let writer = layout::WriterLayout {
+                packing: None,
+                ..writer
+            };
+            layout::check_writer(&opened, &writer, &record, 0).await?;
+            opened.keys = opened.keys.with_packing(record.packing_of(0));
             record.buckets
         }
         None => proposed.buckets,

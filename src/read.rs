@@ -42,12 +42,12 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::domain::generation;
-use crate::domain::routing::{CounterId, KeyLayout};
+use crate::domain::routing::{CounterId, KeyLayout, Place};
 use crate::domain::slots::key_slot;
 use crate::domain::versions::{
     DEFAULT_FIELD, Defaults, PostMeta, READ_DEADLINE, read_defaults, wall_ms,
 };
+use crate::domain::{generation, layout};
 use crate::infra::store::Shared;
 
 /// How long a count is served from the cache unless told otherwise (milliseconds; `tally
@@ -97,11 +97,19 @@ struct KeyCommand {
 }
 
 impl KeyCommand {
-    fn get(key: String) -> Self {
-        Self {
-            name: "GET",
-            key,
-            args: Vec::new(),
+    /// Reads one counter: GET of its key, HGET of its field when packed.
+    fn counter(place: Place) -> Self {
+        match place.field {
+            None => Self {
+                name: "GET",
+                key: place.key,
+                args: Vec::new(),
+            },
+            Some(field) => Self {
+                name: "HGET",
+                key: place.key,
+                args: vec![field],
+            },
         }
     }
 }
@@ -184,12 +192,23 @@ impl Reader {
         let read_at = Instant::now();
         let pointer = generation::read_pointer(&inner.store, inner.base.prefix()).await?;
         self.report_backwards(&pointer);
+        // A generation keeps its packing for good: it is read from the
+        // layout record when the pointer names another generation.
+        let known = {
+            let layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
+            (layout.0 == pointer.current && layout.2.is_some()).then(|| *layout.1.packing())
+        };
+        let packing = match (known, pointer.current) {
+            (Some(packing), _) => packing,
+            (None, 0) => *inner.base.packing(),
+            (None, k) => layout::read_packing(&inner.store, inner.base.prefix(), k).await?,
+        };
         let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
         if pointer.current >= layout.0 || layout.2.is_none() {
             let prefix = generation::prefix_of(inner.base.prefix(), pointer.current);
             *layout = (
                 pointer.current,
-                inner.base.with_prefix(prefix),
+                inner.base.with_prefix(prefix).with_packing(packing),
                 Some(read_at),
             );
         }
@@ -420,7 +439,12 @@ impl Reader {
         let mut first = vec![Self::registry_command(&keys, posts)];
         first.extend(posts.iter().map(|&p| Self::route_command(&keys, p)));
         for &post in posts {
-            first.extend(guess.keys(&keys, post).into_iter().map(KeyCommand::get));
+            first.extend(
+                guess
+                    .places(&keys, post)
+                    .into_iter()
+                    .map(KeyCommand::counter),
+            );
         }
         let mut replies = self.query(first).await?;
         let values = replies.split_off(posts.len() + 1);
@@ -446,7 +470,7 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, KeyCommand::get(keys.key_of(id))));
+                    extra.push((i, KeyCommand::counter(keys.place_of(id))));
                 }
             }
             counts.push(Count {

@@ -221,6 +221,7 @@ fn run_settings(
         test_script_pause: Duration::ZERO,
         accept_lost_counts: false,
         schema_ids: Vec::new(),
+        packing: Default::default(),
         dedupe: DedupeSettings {
             mode: DedupeMode::Off,
             span: DEFAULT_WINDOW,

@@ -73,7 +73,7 @@ pub fn record_key(base: &str) -> String {
 
 /// The generation a key belongs to, or `None` for the pointer, the flag, the
 /// record and anything tally does not write. Generation 0 owns exactly
-/// `<base>:likes:*`, `:fence:*`, `:origin:*`, `:route:*`, `:heat:*` and
+/// `<base>:likes:*`, `:packed:*`, `:fence:*`, `:origin:*`, `:route:*`, `:heat:*` and
 /// `<base>:routes`; generation `k` owns `<base>:g<k>:*`.
 pub fn generation_of(base: &str, key: &str) -> Option<u64> {
     let rest = key.strip_prefix(base)?.strip_prefix(':')?;
@@ -84,7 +84,7 @@ pub fn generation_of(base: &str, key: &str) -> Option<u64> {
     {
         return digits.parse().ok().filter(|&k| k > 0);
     }
-    let gen0 = ["likes:", "fence:", "origin:", "route:", "heat:"]
+    let gen0 = ["likes:", "packed:", "fence:", "origin:", "route:", "heat:"]
         .iter()
         .any(|head| rest.starts_with(head))
         || rest == "routes";

@@ -48,12 +48,22 @@
 //! both) and raises the record to 2 on a writer's start and before an epoch
 //! is added ([`adopt_format`]), so a build that does not know epochs refuses
 //! the prefix instead of under-reading it.
+//!
+//! Format 3 adds the packing of each generation (see
+//! [`crate::domain::packing`]): `layout` for generation 0 and `layout.g<k>`
+//! for generation `k`, absent meaning a string key per counter. Only a record
+//! with a packed generation is written as format 3 (raised to it before the
+//! first packed key is written): a build of format 2 reads a prefix of
+//! string keys as well as ever, and refuses one it would find empty.
 
 pub mod adopt;
 
 use redis::RedisError;
 
+use std::collections::BTreeMap;
+
 use crate::domain::generation;
+use crate::domain::packing::{Packing, Wanted};
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{DEFAULT_FIELD, Defaults, read_defaults};
@@ -61,8 +71,10 @@ use crate::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
-/// The format of the record this build writes and reads.
-pub const FORMAT: u32 = 2;
+/// The newest format of the record this build writes and reads.
+pub const FORMAT: u32 = 3;
+/// The format of a record whose generations all keep string keys.
+pub const STRINGS_FORMAT: u32 = 2;
 /// The oldest format this build reads, and raises to [`FORMAT`].
 pub const OLDEST_FORMAT: u32 = 1;
 
@@ -140,6 +152,7 @@ pub async fn open_for_reading(settings: &StoreSettings) -> Result<(OpenStore, Re
     if settings.url().is_cluster() {
         opened.keys = KeyLayout::with_groups(base, SlotGroups::cluster(record.slot_groups));
     }
+    opened.keys = opened.keys.with_packing(record.packing_of(0));
     Ok((opened, record))
 }
 
@@ -162,6 +175,9 @@ pub struct WriterLayout {
     pub topic: String,
     /// The consumer group whose fences the prefix holds.
     pub group: String,
+    /// How a new prefix keeps its counters (`--layout`); `None` takes the
+    /// record's.
+    pub packing: Option<Wanted>,
 }
 
 /// How a prefix was written: what every writer must repeat.
@@ -179,24 +195,55 @@ pub struct Record {
     pub group: String,
     /// When the record was written (milliseconds since the epoch).
     pub created_at_ms: i64,
+    /// The generations that keep their counters packed; every other one
+    /// keeps a string key per counter.
+    pub packed: BTreeMap<u64, Packing>,
+}
+
+/// The record field holding generation `k`'s packing.
+pub fn packing_field(k: u64) -> String {
+    match k {
+        0 => "layout".to_string(),
+        k => format!("layout.g{k}"),
+    }
 }
 
 impl Record {
+    /// How generation `k` keeps its counters.
+    pub fn packing_of(&self, k: u64) -> Packing {
+        self.packed.get(&k).copied().unwrap_or_default()
+    }
+
+    /// The key layout of generation `k` under `base`, the base layout.
+    pub fn generation_keys(&self, base: &KeyLayout, k: u64) -> KeyLayout {
+        base.with_prefix(generation::prefix_of(base.prefix(), k))
+            .with_packing(self.packing_of(k))
+    }
+
     /// The record `writer` would write on a new prefix at `created_at_ms`
     /// (with no `--buckets`, [`DEFAULT_BUCKETS`]).
     pub fn of_writer(writer: &WriterLayout, created_at_ms: i64) -> Record {
+        let packing = writer
+            .packing
+            .unwrap_or_default()
+            .packing(writer.slot_groups);
+        let packed: BTreeMap<u64, Packing> = match packing {
+            Packing::Strings => BTreeMap::new(),
+            packed => BTreeMap::from([(0, packed)]),
+        };
         Record {
-            format: FORMAT,
+            format: format_for(&packed),
             buckets: writer.buckets.unwrap_or(DEFAULT_BUCKETS),
             slot_groups: writer.slot_groups,
             topic: writer.topic.clone(),
             group: writer.group.clone(),
             created_at_ms,
+            packed,
         }
     }
 
-    fn fields(&self) -> Vec<(&'static str, String)> {
-        vec![
+    fn fields(&self) -> Vec<(String, String)> {
+        let mut fields: Vec<(String, String)> = [
             ("format", self.format.to_string()),
             ("buckets", self.buckets.to_string()),
             ("slot_groups", self.slot_groups.to_string()),
@@ -204,6 +251,15 @@ impl Record {
             ("group", self.group.clone()),
             ("created_at_ms", self.created_at_ms.to_string()),
         ]
+        .into_iter()
+        .map(|(f, v)| (f.to_string(), v))
+        .collect();
+        fields.extend(
+            self.packed
+                .iter()
+                .map(|(&k, packing)| (packing_field(k), packing.to_string())),
+        );
+        fields
     }
 
     fn from_fields(key: &str, fields: &[(String, String)]) -> Result<Record, LayoutError> {
@@ -257,6 +313,28 @@ impl Record {
         if !(1..=16_384).contains(&slot_groups) || !(slot_groups as u32).is_power_of_two() {
             return Err(damaged("slot_groups is not a power of two up to 16384"));
         }
+        let mut packed = BTreeMap::new();
+        for (field, value) in fields {
+            let k = match field.as_str() {
+                "layout" => 0,
+                other => match other.strip_prefix("layout.g").map(str::parse::<u64>) {
+                    Some(Ok(k)) if k > 0 => k,
+                    Some(_) => return Err(damaged(&format!("field {other} names no generation"))),
+                    None => continue,
+                },
+            };
+            let packing: Packing = value
+                .parse()
+                .map_err(|e: crate::domain::packing::BadPacking| damaged(&e.to_string()))?;
+            if packing != Packing::Strings {
+                packed.insert(k, packing);
+            }
+        }
+        if format < FORMAT && !packed.is_empty() {
+            return Err(damaged(
+                "it names a packed generation but its format is older than 3",
+            ));
+        }
         Ok(Record {
             format,
             buckets: buckets as u32,
@@ -264,6 +342,7 @@ impl Record {
             topic: get("topic")?.to_string(),
             group: get("group")?.to_string(),
             created_at_ms: number("created_at_ms")?,
+            packed,
         })
     }
 }
@@ -404,13 +483,122 @@ pub async fn ensure_record(
     Ok((record, outcome == "1"))
 }
 
-/// Raises the record of `base` to [`FORMAT`] if `record`, just read, has an
-/// older format: before anything of the newer meaning (a default epoch) is
-/// written, so that a build of the older format refuses the prefix. One
-/// HSET (the commands need no script): only a build newer than this one
-/// could have raised it further in between.
+/// How generation `k` of `base` keeps its counters, as its record says; a
+/// prefix without a record keeps string keys. A value that cannot be read is
+/// an error, never a guess.
+pub async fn read_packing(store: &Shared, base: &str, k: u64) -> Result<Packing, RedisError> {
+    let key = record_key(base);
+    let field = packing_field(k);
+    let value: Option<String> = store
+        .call(|mut s| {
+            let (key, field) = (key.clone(), field.clone());
+            async move {
+                redis::cmd("HGET")
+                    .arg(key)
+                    .arg(field)
+                    .query_async(&mut s)
+                    .await
+            }
+        })
+        .await?;
+    match value {
+        None => Ok(Packing::Strings),
+        Some(text) => text
+            .parse()
+            .map_err(|e: crate::domain::packing::BadPacking| {
+                RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "layout record",
+                    format!("{key} field {field}: {e}"),
+                ))
+            }),
+    }
+}
+
+/// The key layout of generation `k` under `base` (the base layout), with
+/// the packing its record gives it.
+pub async fn generation_keys(
+    store: &Shared,
+    base: &KeyLayout,
+    k: u64,
+) -> Result<KeyLayout, RedisError> {
+    let packing = read_packing(store, base.prefix(), k).await?;
+    Ok(base
+        .with_prefix(generation::prefix_of(base.prefix(), k))
+        .with_packing(packing))
+}
+
+/// The format a record with these packed generations is written with.
+pub fn format_for(packed: &BTreeMap<u64, Packing>) -> u32 {
+    match packed.is_empty() {
+        true => STRINGS_FORMAT,
+        false => FORMAT,
+    }
+}
+
+/// Raises the record of `base` to [`STRINGS_FORMAT`] if `record`, just read,
+/// has an older format: before anything of the newer meaning (a default
+/// epoch) is written, so that a build of the older format refuses the
+/// prefix. One HSET (the commands need no script): only a build newer than
+/// this one could have raised it further in between.
 pub async fn adopt_format(store: &Shared, base: &str, record: &Record) -> Result<(), LayoutError> {
-    if record.format < FORMAT {
+    raise_format(store, base, record, STRINGS_FORMAT).await
+}
+
+/// Records that generation `k` of `base` keeps its counters as `packing`,
+/// raising the record's format to what that needs, before the first of them
+/// is written; `record` is the record as read. A generation of string keys
+/// has no field (one left by an aborted rebuild of the same number goes).
+pub async fn record_packing(
+    store: &Shared,
+    base: &str,
+    record: &Record,
+    k: u64,
+    packing: Packing,
+) -> Result<(), LayoutError> {
+    let key = record_key(base);
+    let field = packing_field(k);
+    if packing == Packing::Strings {
+        store
+            .call(|mut s| {
+                let (key, field) = (key.clone(), field.clone());
+                async move {
+                    redis::cmd("HDEL")
+                        .arg(key)
+                        .arg(field)
+                        .query_async::<()>(&mut s)
+                        .await
+                }
+            })
+            .await?;
+        return Ok(());
+    }
+    raise_format(store, base, record, FORMAT).await?;
+    store
+        .call(|mut s| {
+            let (key, field) = (key.clone(), field.clone());
+            let value = packing.to_string();
+            async move {
+                redis::cmd("HSET")
+                    .arg(key)
+                    .arg(field)
+                    .arg(value)
+                    .query_async::<()>(&mut s)
+                    .await
+            }
+        })
+        .await?;
+    tracing::info!(%key, generation = k, layout = %packing, "Generation layout recorded.");
+    Ok(())
+}
+
+async fn raise_format(
+    store: &Shared,
+    base: &str,
+    record: &Record,
+    format: u32,
+) -> Result<(), LayoutError> {
+    if record.format < format {
         let key = record_key(base);
         store
             .call(|mut s| {
@@ -419,13 +607,13 @@ pub async fn adopt_format(store: &Shared, base: &str, record: &Record) -> Result
                     redis::cmd("HSET")
                         .arg(&key)
                         .arg("format")
-                        .arg(FORMAT)
+                        .arg(format)
                         .query_async::<()>(&mut s)
                         .await
                 }
             })
             .await?;
-        tracing::info!(%key, format = FORMAT, "Layout record raised to this build's format.");
+        tracing::info!(%key, format, "Layout record raised to the format its data needs.");
     }
     Ok(())
 }
@@ -438,13 +626,12 @@ async fn write_record(
     proposed: &Record,
 ) -> Result<(Record, String), LayoutError> {
     let key = record_key(base);
-    let args: Vec<String> = std::iter::once(OLDEST_FORMAT.to_string())
-        .chain(
-            proposed
-                .fields()
-                .into_iter()
-                .flat_map(|(f, v)| [f.to_string(), v]),
-        )
+    // An existing record is raised no further than a prefix of string keys
+    // needs: a writer's packing is for a new prefix only.
+    let args: Vec<String> = [OLDEST_FORMAT, proposed.format.min(STRINGS_FORMAT)]
+        .iter()
+        .map(u32::to_string)
+        .chain(proposed.fields().into_iter().flat_map(|(f, v)| [f, v]))
         .collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reply: Vec<String> = WRITE_RECORD.call(store, &[&key], &args).await?;
@@ -485,13 +672,15 @@ pub async fn current_defaults(
     read_defaults(&registry, entry.as_deref(), record.buckets)
 }
 
-/// Compares a writer's layout with the record in force and the bucket
-/// count writers use now. A writer that names no bucket count takes the
-/// current one.
+/// Compares a writer's layout with the record in force, the bucket count
+/// writers use now and the packing of generation `written`, the one it
+/// writes. A writer that names no bucket count or layout takes the current
+/// ones.
 pub async fn check_writer(
     opened: &OpenStore,
     writer: &WriterLayout,
     stored: &Record,
+    written: u64,
 ) -> Result<(), LayoutError> {
     let defaults = current_defaults(&opened.store, &opened.keys, stored).await?;
     let buckets_now = defaults.latest().buckets;
@@ -500,7 +689,35 @@ pub async fn check_writer(
         ..Record::of_writer(writer, stored.created_at_ms)
     };
     compare(opened.keys.prefix(), &proposed, stored, buckets_now)?;
+    check_packing(
+        opened.keys.prefix(),
+        writer.packing.as_ref(),
+        &stored.packing_of(written),
+    )?;
     Ok(())
+}
+
+/// A writer that names a layout (`--layout`) must name the one the current
+/// generation keeps: the hashes of a packed generation are sized when it is
+/// made, and a generation never changes its layout.
+pub fn check_packing(base: &str, wanted: Option<&Wanted>, now: &Packing) -> Result<(), Mismatch> {
+    let Some(wanted) = wanted else {
+        return Ok(());
+    };
+    if wanted.name() == now.name() {
+        return Ok(());
+    }
+    Err(Mismatch {
+        flag: "layout",
+        given: wanted.name().to_string(),
+        stored: now.to_string(),
+        key: record_key(base),
+        remedy: format!(
+            "run without --layout (or with --layout {}); `tally rebuild --layout {}` moves the prefix to the other layout while tally runs",
+            now.name(),
+            wanted.name()
+        ),
+    })
 }
 
 /// The first difference between a writer's settings (`proposed`) and the
@@ -585,12 +802,13 @@ mod tests {
 
     fn record() -> Record {
         Record {
-            format: FORMAT,
+            format: STRINGS_FORMAT,
             buckets: 16,
             slot_groups: 128,
             topic: "likes".into(),
             group: "tally".into(),
             created_at_ms: 1,
+            packed: BTreeMap::new(),
         }
     }
 
@@ -601,6 +819,7 @@ mod tests {
             slot_groups: 128,
             topic: "likes".into(),
             group: "tally".into(),
+            packing: None,
         };
         let proposed = Record::of_writer(&writer, 1);
         assert_eq!(
@@ -682,6 +901,63 @@ mod tests {
             ..record()
         };
         assert_eq!(compare("t", &one, &stored, 1), Ok(()));
+    }
+
+    #[test]
+    fn packed_generations_are_recorded_and_named_by_writers() {
+        use crate::domain::packing::Packed;
+        let writer = WriterLayout {
+            buckets: None,
+            slot_groups: 1,
+            topic: "likes".into(),
+            group: "tally".into(),
+            packing: Some(Wanted::Packed {
+                counters: 1_000_000,
+                fields: 64,
+            }),
+        };
+        let packed = Record::of_writer(&writer, 1);
+        assert_eq!(packed.format, FORMAT);
+        let shape = Packing::Packed(Packed {
+            hashes: 15_625,
+            fields: 64,
+        });
+        assert_eq!(packed.packing_of(0), shape);
+        assert_eq!(packed.packing_of(1), Packing::Strings);
+        let mut fields: Vec<(String, String)> = packed.fields();
+        assert!(fields.contains(&("layout".into(), "packed:15625:64".into())));
+        fields.push(("layout.g2".into(), "strings".into()));
+        fields.push(("layout.g3".into(), "packed:7:64".into()));
+        let read = Record::from_fields("t:layout", &fields).unwrap();
+        assert_eq!(read.packing_of(0), shape);
+        assert_eq!(read.packing_of(2), Packing::Strings);
+        assert!(read.packing_of(3) != Packing::Strings);
+        let keys = read.generation_keys(&KeyLayout::new("t"), 3);
+        assert_eq!((keys.prefix(), keys.is_packed()), ("t:g3", true));
+        // A packed generation in a record of the format before packing is damage.
+        let older: Vec<(String, String)> = fields
+            .iter()
+            .map(|(f, v)| match f.as_str() {
+                "format" => (f.clone(), STRINGS_FORMAT.to_string()),
+                _ => (f.clone(), v.clone()),
+            })
+            .collect();
+        assert!(matches!(
+            Record::from_fields("t:layout", &older),
+            Err(LayoutError::Corrupt { .. })
+        ));
+        let mut junk = fields.clone();
+        junk.push(("layout.g0".into(), "strings".into()));
+        assert!(Record::from_fields("t:layout", &junk).is_err());
+        // A writer that names the other layout is refused with the way to move.
+        let wrong = check_packing("t", Some(&Wanted::Strings), &shape).unwrap_err();
+        assert_eq!(wrong.flag, "layout");
+        assert!(
+            wrong.to_string().contains("tally rebuild --layout strings"),
+            "{wrong}"
+        );
+        assert!(check_packing("t", None, &shape).is_ok());
+        assert!(check_packing("t", Some(&Wanted::Strings), &Packing::Strings).is_ok());
     }
 
     #[test]

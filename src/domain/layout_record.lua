@@ -4,7 +4,8 @@
 --
 -- KEYS[1]  the record, <prefix>:layout (a hash)
 -- ARGV[1]  the oldest format the caller reads (and may raise)
--- ARGV[2..] field, value, field, value, ... of the proposed record
+-- ARGV[2]  the format an existing record of an older format is raised to
+-- ARGV[3..] field, value, field, value, ... of the proposed record
 --
 -- Returns {outcome, field, value, field, value, ...}: outcome is 1 when this
 -- call created the record, 2 when it raised the record's format (nothing else
@@ -17,14 +18,11 @@ if refused then
 end
 
 local oldest = tonumber(ARGV[1])
+local format = tonumber(ARGV[2])
 local fields = {}
-local format = nil
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   table.insert(fields, ARGV[i])
   table.insert(fields, ARGV[i + 1])
-  if ARGV[i] == 'format' then
-    format = tonumber(ARGV[i + 1])
-  end
 end
 
 local outcome = 0

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use redis::{ConnectionLike, RedisError, Value};
 
+use crate::domain::routing::{CounterId, KeyLayout};
 use crate::domain::slots::SLOTS;
 
 use crate::infra::security::UrlParts;
@@ -183,6 +184,44 @@ pub fn scan(
         }
     }
     Ok(())
+}
+
+/// Calls `each` with every counter of the generation `layout` names and
+/// its value, node by node: each string key (a GET each), or every field of
+/// the packed hashes (an HGETALL each). A field that names no counter or
+/// holds no integer is an error naming it.
+pub fn scan_counters(
+    target: &Target,
+    layout: &KeyLayout,
+    mut each: impl FnMut(CounterId, i64),
+) -> Result<(), RedisError> {
+    let bad = |key: &str, what: &str| {
+        RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "not a counter",
+            format!("{key}{what}"),
+        ))
+    };
+    scan(target, &layout.counters_pattern(), |conn, keys| {
+        for key in keys {
+            if layout.is_packed() {
+                let fields: Vec<(String, String)> = redis::cmd("HGETALL").arg(&key).query(conn)?;
+                for (field, value) in fields {
+                    let id = layout
+                        .parse_field(&field)
+                        .ok_or_else(|| bad(&key, &format!(" field {field}")))?;
+                    let value = value
+                        .parse()
+                        .map_err(|_| bad(&key, &format!(" field {field}: {value}")))?;
+                    each(id, value);
+                }
+            } else if let Some(id) = layout.parse_counter_key(&key) {
+                let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn)?;
+                each(id, value.unwrap_or(0));
+            }
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 
 use xxhash_rust::xxh64::xxh64;
 
+use crate::domain::packing::Packing;
 use crate::domain::slots::SlotGroups;
 
 /// Seed of the stable hash. Part of the public contract.
@@ -108,10 +109,35 @@ impl CounterId {
 /// metadata) is the post's count, and nothing else ever matches that pattern.
 /// Fences live under `<prefix>:fence:`, origins under `<prefix>:origin:`,
 /// routing metadata under `<prefix>:route:`.
+///
+/// A packed generation (see [`crate::domain::packing`]) keeps the same
+/// counters as fields of `<prefix>:packed:<n>[:{<tag>}]` instead, the field
+/// being the string key's tail after `likes:` with the post id written as a
+/// signed integer.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
     prefix: String,
     groups: SlotGroups,
+    packing: Packing,
+}
+
+/// Where one counter is kept: a string key, or a field of a hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    /// The key.
+    pub key: String,
+    /// The field of the hash `key`, when the generation is packed.
+    pub field: Option<String>,
+}
+
+impl Place {
+    /// The key, and the field when there is one: `tally:packed:7 42`.
+    pub fn shown(&self) -> String {
+        match &self.field {
+            Some(field) => format!("{} {field}", self.key),
+            None => self.key.clone(),
+        }
+    }
 }
 
 impl KeyLayout {
@@ -125,13 +151,30 @@ impl KeyLayout {
         Self {
             prefix: prefix.into(),
             groups,
+            packing: Packing::Strings,
         }
     }
 
     /// The same layout under another prefix (a key generation, see
-    /// [`crate::domain::generation`]).
+    /// [`crate::domain::generation`]), with the same packing.
     pub fn with_prefix(&self, prefix: impl Into<String>) -> Self {
-        Self::with_groups(prefix, self.groups.clone())
+        Self {
+            prefix: prefix.into(),
+            ..self.clone()
+        }
+    }
+
+    /// The same layout keeping its counters as `packing` says.
+    pub fn with_packing(&self, packing: Packing) -> Self {
+        Self {
+            packing,
+            ..self.clone()
+        }
+    }
+
+    /// How the counters are kept.
+    pub fn packing(&self) -> &Packing {
+        &self.packing
     }
 
     /// The key prefix.
@@ -150,36 +193,68 @@ impl KeyLayout {
         }
     }
 
-    /// Writes the key of a counter into `out`, replacing its contents.
+    /// Writes the key of a counter into `out`, replacing its contents: its
+    /// string key, or the hash holding its field when packed.
     ///
     /// Lets the hot path reuse one buffer instead of allocating a key per entry.
     pub fn write_counter_key(&self, out: &mut String, id: CounterId) {
         out.clear();
         // Writing to a String cannot fail.
-        if id.version == 0 {
-            let _ = write!(out, "{}:likes:{}:{}", self.prefix, id.post_id, id.bucket);
-        } else if id.version > DEFAULT_EPOCHS {
-            let epoch = id.version - DEFAULT_EPOCHS;
-            let _ = write!(
-                out,
-                "{}:likes:{}:d{}:b{}",
-                self.prefix, id.post_id, epoch, id.bucket
-            );
-        } else {
-            let _ = write!(
-                out,
-                "{}:likes:{}:v{}:b{}",
-                self.prefix, id.post_id, id.version, id.bucket
-            );
+        match &self.packing {
+            Packing::Strings => {
+                let _ = write!(out, "{}:likes:", self.prefix);
+                write_tail(out, id, false);
+            }
+            Packing::Packed(packed) => {
+                let n = packed.hash_of(id.post_id, id.version, id.bucket);
+                let _ = write!(out, "{}:packed:{n}", self.prefix);
+            }
         }
         self.write_tag(out, self.groups.group_of(id.post_id, id.bucket));
     }
 
-    /// The key of a counter.
+    /// Writes the field of a counter into `out`, replacing its contents; the
+    /// field names the counter within its hash (packed layout only).
+    pub fn write_field(&self, out: &mut String, id: CounterId) {
+        out.clear();
+        write_tail(out, id, true);
+    }
+
+    /// The key of a counter: its string key, or the hash holding it.
     pub fn key_of(&self, id: CounterId) -> String {
         let mut key = String::new();
         self.write_counter_key(&mut key, id);
         key
+    }
+
+    /// Where a counter is kept.
+    pub fn place_of(&self, id: CounterId) -> Place {
+        let key = self.key_of(id);
+        let field = self.packing.packed().map(|_| {
+            let mut field = String::new();
+            self.write_field(&mut field, id);
+            field
+        });
+        Place { key, field }
+    }
+
+    /// Whether counters are fields of hashes.
+    pub fn is_packed(&self) -> bool {
+        self.packing.packed().is_some()
+    }
+
+    /// The glob pattern matching every key that holds counters: the string
+    /// keys, or the hashes of a packed generation.
+    pub fn counters_pattern(&self) -> String {
+        match self.packing {
+            Packing::Strings => format!("{}:likes:*", self.prefix),
+            Packing::Packed(_) => format!("{}:packed:*", self.prefix),
+        }
+    }
+
+    /// Parses a field of a packed hash back into its counter.
+    pub fn parse_field(&self, field: &str) -> Option<CounterId> {
+        parse_tail(field, true)
     }
 
     /// The key of a version-0 counter (post, bucket).
@@ -231,37 +306,89 @@ impl KeyLayout {
         key
     }
 
-    /// Parses a counter key back into its counter; `None` for any other key.
+    /// Parses a string counter key back into its counter; `None` for any
+    /// other key.
     pub fn parse_counter_key(&self, key: &str) -> Option<CounterId> {
         let rest = key
             .strip_prefix(self.prefix.as_str())?
             .strip_prefix(":likes:")?;
-        let mut parts = rest.split(':');
-        let post_id = parts.next()?.parse().ok()?;
-        let first = parts.next()?;
-        let numbered = |digits: &str| digits.parse::<u32>().ok().filter(|&n| n > 0);
-        let version = if let Some(own) = first.strip_prefix('v') {
-            Some(numbered(own).filter(|&v| v <= DEFAULT_EPOCHS)?)
-        } else if let Some(epoch) = first.strip_prefix('d') {
-            Some(numbered(epoch).filter(|&e| e < u32::MAX - DEFAULT_EPOCHS)? + DEFAULT_EPOCHS)
-        } else {
-            None
+        let (tail, tag) = match rest.find(":{") {
+            Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+            None => (rest, None),
         };
-        let (version, bucket) = match version {
-            Some(version) => (version, parts.next()?.strip_prefix('b')?.parse().ok()?),
-            None => (0, first.parse().ok()?),
-        };
-        let tag_ok = match (parts.next(), parts.next()) {
-            (None, _) => true,
-            (Some(tag), None) => tag.len() > 2 && tag.starts_with('{') && tag.ends_with('}'),
-            _ => false,
-        };
-        tag_ok.then_some(CounterId {
-            post_id,
-            version,
-            bucket,
-        })
+        let tag_ok = tag.is_none_or(|tag| {
+            tag.len() > 2 && tag.starts_with('{') && tag.ends_with('}') && !tag.contains(':')
+        });
+        if !tag_ok {
+            return None;
+        }
+        parse_tail(tail, false)
     }
+}
+
+/// Writes `<post>` for bucket 0 of version 0, `<post>:<bucket>` for another
+/// bucket of it, `<post>:v<version>:b<bucket>` for a post's own version and
+/// `<post>:d<epoch>:b<bucket>` for a later epoch of the default layout; the
+/// post as a signed integer when `signed` (fields) and as it is otherwise,
+/// where a string key always names the bucket.
+fn write_tail(out: &mut String, id: CounterId, signed: bool) {
+    let _ = if signed {
+        write!(out, "{}", id.post_id as i64)
+    } else {
+        write!(out, "{}", id.post_id)
+    };
+    if id.version == 0 {
+        if !signed || id.bucket != 0 {
+            let _ = write!(out, ":{}", id.bucket);
+        }
+    } else if id.version > DEFAULT_EPOCHS {
+        let _ = write!(out, ":d{}:b{}", id.version - DEFAULT_EPOCHS, id.bucket);
+    } else {
+        let _ = write!(out, ":v{}:b{}", id.version, id.bucket);
+    }
+}
+
+/// Reads what [`write_tail`] writes back, refusing anything it never writes.
+fn parse_tail(tail: &str, signed: bool) -> Option<CounterId> {
+    let mut parts = tail.split(':');
+    let post = parts.next()?;
+    let post_id = if signed {
+        post.parse::<i64>()
+            .ok()
+            .filter(|_| !post.starts_with('+'))? as u64
+    } else {
+        post.parse().ok().filter(|_| !post.starts_with('+'))?
+    };
+    let Some(first) = parts.next() else {
+        // Only a field leaves bucket 0 of version 0 unnamed.
+        return signed.then_some(CounterId::v0(post_id, 0));
+    };
+    let numbered = |digits: &str| {
+        digits
+            .parse::<u32>()
+            .ok()
+            .filter(|&n| n > 0 && !digits.starts_with('+'))
+    };
+    let version = if let Some(own) = first.strip_prefix('v') {
+        Some(numbered(own).filter(|&v| v <= DEFAULT_EPOCHS)?)
+    } else if let Some(epoch) = first.strip_prefix('d') {
+        Some(numbered(epoch).filter(|&e| e < u32::MAX - DEFAULT_EPOCHS)? + DEFAULT_EPOCHS)
+    } else {
+        None
+    };
+    let (version, bucket) = match version {
+        Some(version) => (version, parts.next()?.strip_prefix('b')?.parse().ok()?),
+        None => (0, first.parse().ok()?),
+    };
+    // A field names bucket 0 of version 0 by the post alone.
+    if parts.next().is_some() || (signed && version == 0 && bucket == 0) {
+        return None;
+    }
+    Some(CounterId {
+        post_id,
+        version,
+        bucket,
+    })
 }
 
 #[cfg(test)]
@@ -333,6 +460,22 @@ mod tests {
         assert_eq!(keys.parse_counter_key("tally:likes:101:d0:b0"), None);
         assert_eq!(keys.parse_counter_key("tally:route:101"), None);
         assert_eq!(keys.parse_counter_key("tally:fence:g:likes:7"), None);
+        // Packed: bucket 0 of version 0 is the post alone, as a signed integer.
+        let packed = keys.with_packing(crate::domain::packing::Packing::Packed(
+            crate::domain::packing::Packed {
+                hashes: 10,
+                fields: 64,
+            },
+        ));
+        let place = packed.place_of(CounterId::v0(u64::MAX, 0));
+        assert_eq!(place.field.as_deref(), Some("-1"));
+        assert_eq!(packed.parse_field("-1"), Some(CounterId::v0(u64::MAX, 0)));
+        assert_eq!(packed.parse_field("101:3"), Some(CounterId::v0(101, 3)));
+        assert_eq!(packed.parse_field("101:v3:b17"), Some(hot));
+        for bad in ["101:0", "+101", "x", "101:v0:b1", "101:3:4", ""] {
+            assert_eq!(packed.parse_field(bad), None, "{bad}");
+        }
+        assert!(place.key.starts_with("tally:packed:"), "{}", place.key);
         assert_eq!(keys.parse_counter_key("other:likes:1:2"), None);
     }
 
@@ -360,6 +503,34 @@ mod tests {
             prop_assert_eq!(keys.parse_counter_key(&keys.key_of(id)), Some(id));
             let head = format!("p:x:likes:{post_id}:");
             prop_assert!(keys.key_of(id).starts_with(&head));
+        }
+
+        #[test]
+        fn packed_fields_round_trip(
+            post_id: u64,
+            version in prop_oneof![0u32..1000, DEFAULT_EPOCHS + 1..DEFAULT_EPOCHS + 1000],
+            bucket in 0u32..1 << 20,
+            cluster: bool,
+        ) {
+            use crate::domain::packing::{Packed, Packing};
+            let base = if cluster {
+                KeyLayout::with_groups("p", SlotGroups::cluster(64))
+            } else {
+                KeyLayout::new("p")
+            };
+            let keys = base.with_packing(Packing::Packed(Packed { hashes: 1000, fields: 64 }));
+            let id = CounterId { post_id, version, bucket };
+            let place = keys.place_of(id);
+            let field = place.field.clone().unwrap();
+            prop_assert_eq!(keys.parse_field(&field), Some(id));
+            prop_assert!(field.len() as u64 <= crate::domain::packing::LONGEST_FIELD);
+            prop_assert!(place.key.starts_with("p:packed:"));
+            prop_assert_eq!(keys.parse_counter_key(&place.key), None);
+            // The hash sits in the slot group the string key would.
+            if cluster {
+                let slot = |k: &str| crate::domain::slots::key_slot(k.as_bytes());
+                prop_assert_eq!(slot(&place.key), slot(&base.key_of(id)));
+            }
         }
 
         #[test]

@@ -145,7 +145,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use redis::RedisError;
 use rustc_hash::FxHashMap;
 
-use crate::domain::routing::{CounterId, DEFAULT_EPOCHS, KeyLayout, bucket_of, epoch_version};
+use crate::domain::routing::{
+    CounterId, DEFAULT_EPOCHS, KeyLayout, Place, bucket_of, epoch_version,
+};
 
 mod registry;
 pub mod unfreeze;
@@ -602,8 +604,16 @@ impl PostMeta {
         self
     }
 
-    /// Every counter key of the post.
+    /// Every counter key of the post, as [`Place::shown`] names it.
     pub fn keys(&self, layout: &KeyLayout, post_id: u64) -> Vec<String> {
+        self.places(layout, post_id)
+            .iter()
+            .map(Place::shown)
+            .collect()
+    }
+
+    /// Where every counter of the post is kept.
+    pub fn places(&self, layout: &KeyLayout, post_id: u64) -> Vec<Place> {
         self.versions
             .iter()
             .flat_map(|&(version, buckets)| {
@@ -613,7 +623,7 @@ impl PostMeta {
                     bucket,
                 })
             })
-            .map(|id| layout.key_of(id))
+            .map(|id| layout.place_of(id))
             .collect()
     }
 }

@@ -16,12 +16,14 @@
 //! (where the events come from, and the librdkafka settings tally owns),
 //! `kafka_security` (TLS and SASL towards the brokers), `run` (the rest of
 //! what `tally run` needs), `serve` (the limits of the read API), `dedupe`
-//! (which repeats of a like are skipped); this file holds what they share:
+//! (which repeats of a like are skipped), `packing` (how a new prefix keeps
+//! its counters); this file holds what they share:
 //! the problem a setting has, and where a password comes from.
 
 pub mod dedupe;
 mod kafka;
 mod kafka_security;
+pub mod packing;
 mod run;
 mod serve;
 mod store;

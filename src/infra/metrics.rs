@@ -123,6 +123,13 @@ pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
 /// (0 when none runs).
 pub const DEDUPE_REREAD_REMAINING: &str = "tally_dedupe_reread_remaining_offsets";
 
+/// The most fields this consumer has seen in one hash of a packed
+/// generation (0 on string keys).
+pub const PACKED_FILL_MAX: &str = "tally_packed_hash_fill_max";
+/// The server's `hash-max-listpack-entries`, read at start (0 on string
+/// keys): a hash with more fields has left the compact encoding.
+pub const PACKED_FILL_LIMIT: &str = "tally_packed_hash_fill_limit";
+
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
 /// Events stamped ahead of what the registry view covers, routed without
@@ -336,6 +343,16 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Per partition, offsets the running re-read of the dedupe window has left below the fences (0 when none runs).",
     ),
     (
+        PACKED_FILL_MAX,
+        Kind::Gauge,
+        "The most fields this consumer has seen in one hash of a packed generation after a script (0 on string keys); above tally_packed_hash_fill_limit the hash has become a hashtable and costs several times the memory.",
+    ),
+    (
+        PACKED_FILL_LIMIT,
+        Kind::Gauge,
+        "The server's hash-max-listpack-entries, read at start (0 on string keys).",
+    ),
+    (
         ROUTED_POSTS,
         Kind::Gauge,
         "Posts with routing metadata in this consumer's view of the registry.",
@@ -429,6 +446,8 @@ pub fn describe(bad_reasons: &[&'static str]) {
     // Registered so that its series exist before the first re-read ends.
     let _ = histogram!(DEDUPE_REREAD_SECONDS);
     gauge!(ROUTED_POSTS).set(0.0);
+    gauge!(PACKED_FILL_MAX).set(0.0);
+    gauge!(PACKED_FILL_LIMIT).set(0.0);
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(ROUTING_UNFREEZES).set(0.0);
@@ -496,6 +515,31 @@ pub fn batch_done(applied: bool, messages: u64, bad: u64, increments: usize, too
 /// Records a Redis retry.
 pub fn redis_retry() {
     counter!(REDIS_RETRIES).increment(1);
+}
+
+/// The fullest packed hash seen so far by this process.
+static PACKED_FILL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The server's limit of fields in a compact hash (0: not known).
+static PACKED_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Records the fullest hash one packed script left (per script, not per
+/// event); the gauge keeps the most seen. `true` when this is a new most
+/// and above the server's limit: a hash has left the compact encoding.
+pub fn packed_fill(fields: u64) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let before = PACKED_FILL.fetch_max(fields, Relaxed);
+    if fields <= before {
+        return false;
+    }
+    gauge!(PACKED_FILL_MAX).set(fields as f64);
+    let limit = PACKED_LIMIT.load(Relaxed);
+    limit > 0 && fields > limit
+}
+
+/// Records the server's limit of fields in a compact hash.
+pub fn packed_fill_limit(entries: u64) {
+    PACKED_LIMIT.store(entries, std::sync::atomic::Ordering::Relaxed);
+    gauge!(PACKED_FILL_LIMIT).set(entries as f64);
 }
 
 /// Records a script that refused a counter key and wrote nothing.

@@ -70,7 +70,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::domain::generation::{self, Record};
-use crate::domain::layout::OpenStore;
+use crate::domain::layout::{self, OpenStore};
+use crate::domain::packing::Wanted;
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::{
     CLOCK_FIELD, DEFAULT_FIELD, FINAL_FIELD, UNFREEZING_FIELD, UNFROZEN_FIELD, wall_ms,
@@ -316,11 +317,9 @@ pub async fn rebuild(
     let (opened, applier, _) = open_applier(&settings).await?;
     let store = &opened.store;
     let prefix = settings.store.prefix();
-    let (current, k) = prepare(&opened, prefix).await?;
-    let old = opened
-        .keys
-        .with_prefix(generation::prefix_of(prefix, current));
-    let new = opened.keys.with_prefix(generation::prefix_of(prefix, k));
+    let (current, k) = prepare(&opened, prefix, &settings).await?;
+    let old = layout::generation_keys(store, &opened.keys, current).await?;
+    let new = layout::generation_keys(store, &opened.keys, k).await?;
     let new_applier = applier.with_keys(new.clone());
     let kafka = &settings.kafka;
     let client: BaseConsumer = kafka
@@ -366,7 +365,7 @@ pub async fn rebuild(
         last_live: None,
         stable_reads: 0,
     };
-    let mode = rebuild_mode(&settings, &new, k);
+    let mode = rebuild_mode(&settings, k);
     let beating = stop.child_token();
     let _beat = beating.clone().drop_guard();
     spawn_heartbeat(store.clone(), prefix.to_string(), beating);
@@ -409,9 +408,14 @@ fn spawn_heartbeat(store: Shared, base: String, stop: CancellationToken) {
     });
 }
 
-/// Finds the generation to fill and copies the routing registry into it
-/// once; returns (the current generation, the one being rebuilt).
-async fn prepare(opened: &OpenStore, prefix: &str) -> Result<(u64, u64), OpError> {
+/// Finds the generation to fill, records its layout (`--layout`, or the
+/// current generation's) and copies the routing registry into it once;
+/// returns (the current generation, the one being rebuilt).
+async fn prepare(
+    opened: &OpenStore,
+    prefix: &str,
+    settings: &RunSettings,
+) -> Result<(u64, u64), OpError> {
     let store = &opened.store;
     let pointer = generation::read_pointer(store, prefix).await?;
     // The next generation after a pointer that moved back holds live counts.
@@ -419,8 +423,28 @@ async fn prepare(opened: &OpenStore, prefix: &str) -> Result<(u64, u64), OpError
         return Err(OpError::Refused(backwards.to_string()));
     }
     let current = pointer.current;
-    let record = begin(store, prefix, current).await?;
+    let (record, began) = begin(store, prefix, current).await?;
     let k = record.generation;
+    let wanted = Wanted::from_settings(&settings.packing);
+    let layout_record = layout::read_record(store, prefix).await?;
+    match (&layout_record, began) {
+        (Some(stored), true) => {
+            let packing = match wanted {
+                Some(wanted) => wanted.packing(opened.keys.groups().count()),
+                None => stored.packing_of(current),
+            };
+            layout::record_packing(store, prefix, stored, k, packing).await?;
+        }
+        (Some(stored), false) => {
+            layout::check_packing(prefix, wanted.as_ref(), &stored.packing_of(k))
+                .map_err(layout::LayoutError::from)?;
+        }
+        (None, _) => {
+            return Err(OpError::Refused(format!(
+                "prefix {prefix} has no layout record: nothing has been counted under it, so there is nothing to rebuild (start `tally run` first)"
+            )));
+        }
+    }
     if !record.copied {
         let old = opened
             .keys
@@ -442,14 +466,14 @@ async fn prepare(opened: &OpenStore, prefix: &str) -> Result<(u64, u64), OpError
 }
 
 /// The rebuild record in force: the unfinished one, or a new one for the
-/// generation after `current`.
-async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<Record, RedisError> {
+/// generation after `current` (and `true`).
+async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<(Record, bool), RedisError> {
     if let Some(record) = generation::read_record(store, prefix).await? {
         info!(
             generation = record.generation,
             "Resuming the unfinished rebuild from its fences."
         );
-        return Ok(record);
+        return Ok((record, false));
     }
     let record = Record {
         generation: current + 1,
@@ -458,7 +482,7 @@ async fn begin(store: &Shared, prefix: &str, current: u64) -> Result<Record, Red
         alive_at_ms: wall_ms(),
     };
     generation::write_record(store, prefix, record).await?;
-    Ok(record)
+    Ok((record, true))
 }
 
 /// The settings of the pipeline that recounts: those of `tally run`,
@@ -480,10 +504,10 @@ fn rebuild_settings(settings: &RunSettings) -> RunSettings {
 /// never from the group's offsets, and a fresh group need not wait for the
 /// member of a killed predecessor to expire (nor, on a broker that keeps an
 /// expired member as the group's leader, wait for ever).
-fn rebuild_mode(settings: &RunSettings, keys: &KeyLayout, k: u64) -> Mode {
+fn rebuild_mode(settings: &RunSettings, k: u64) -> Mode {
     Mode {
         kafka_group: format!("{}-{}", rebuild_groups(&settings.kafka.group, k), wall_ms()),
-        fixed_prefix: Some(keys.prefix().to_string()),
+        fixed_generation: Some(k),
         // One ACL for every rebuild's groups, whatever the generation.
         group_acl: KafkaAcl::on_prefix(
             "Read",

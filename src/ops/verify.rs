@@ -38,7 +38,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rustc_hash::FxHashMap;
 
-use crate::domain::placement::scan;
+use crate::domain::placement::scan_counters;
 use crate::domain::routing::KeyLayout;
 use crate::infra::config::{RunSettings, with_fetch_settings};
 use crate::infra::store::Target;
@@ -395,14 +395,8 @@ async fn stored_posts(target: &Target, layout: &KeyLayout) -> Result<BTreeSet<u6
     let (target, layout) = (target.clone(), layout.clone());
     tokio::task::spawn_blocking(move || {
         let mut posts = BTreeSet::new();
-        let pattern = format!("{}:likes:*", layout.prefix());
-        scan(&target, &pattern, |_, keys| {
-            posts.extend(
-                keys.iter()
-                    .filter_map(|k| layout.parse_counter_key(k))
-                    .map(|id| id.post_id),
-            );
-            Ok(())
+        scan_counters(&target, &layout, |id, _| {
+            posts.insert(id.post_id);
         })?;
         Ok(posts)
     })

@@ -53,6 +53,18 @@ use crate::infra::store::{Shared, Target, connect_blocking};
 /// The script, with its header comment documenting KEYS, ARGV and replies.
 pub const APPLY_LUA: &str = include_str!("apply.lua");
 
+/// The script of a packed generation (see [`crate::domain::packing`]): the
+/// same fence and decisions, its counters fields of hashes.
+pub const APPLY_PACKED_LUA: &str = include_str!("apply_packed.lua");
+
+/// The script a generation kept as `keys` says is applied with.
+pub fn script_text(keys: &KeyLayout) -> &'static str {
+    match keys.is_packed() {
+        true => APPLY_PACKED_LUA,
+        false => APPLY_LUA,
+    }
+}
+
 /// The script's code for a counter key INCRBY refused (beyond the decision table).
 const REFUSED: i64 = 4;
 
@@ -67,10 +79,10 @@ pub enum ApplyError {
     BadReply(String),
     /// A counter key holds a value INCRBY refuses; nothing of the batch was written.
     #[error(
-        "counter key {key} holds a value Redis cannot add to ({error}); this batch (offsets {start}..={last}) was not applied and nothing was written: fix or delete the key (GET/TYPE it; a value tally did not write), then restart"
+        "counter key {key} holds a value Redis cannot add to ({error}); this batch (offsets {start}..={last}) was not applied and nothing was written: fix or delete the key (GET/TYPE it, HGET the field of a packed hash; a value tally did not write), then restart"
     )]
     BadKey {
-        /// The key.
+        /// The key, followed by the field when packed.
         key: String,
         /// Redis's error.
         error: String,
@@ -144,10 +156,14 @@ pub fn script_call(
         }
         ScriptBody::Full => {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(APPLY_LUA);
+            cmd.arg(script_text(keys));
             cmd
         }
     };
+    if keys.is_packed() {
+        packed_arguments(&mut cmd, keys, fence_key, prepared);
+        return cmd;
+    }
     cmd.arg(prepared.deltas.len() + 1).arg(fence_key);
     let mut key = String::with_capacity(64);
     for (id, _) in &prepared.deltas {
@@ -161,6 +177,40 @@ pub fn script_call(
         cmd.arg(delta).arg(n);
     }
     cmd
+}
+
+/// The arguments of `apply_packed.lua`: the hashes in the order of their
+/// number, each with its (field, delta) pairs.
+fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: &Prepared) {
+    let Some(packed) = keys.packing().packed() else {
+        return;
+    };
+    let mut order: Vec<(u32, usize)> = prepared
+        .deltas
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| (packed.hash_of(id.post_id, id.version, id.bucket), i))
+        .collect();
+    order.sort_unstable();
+    let hashes = order.chunk_by(|a, b| a.0 == b.0).count();
+    cmd.arg(hashes + 1).arg(fence_key);
+    let mut key = String::with_capacity(64);
+    for run in order.chunk_by(|a, b| a.0 == b.0) {
+        keys.write_counter_key(&mut key, prepared.deltas[run[0].1].0);
+        cmd.arg(key.as_str());
+    }
+    cmd.arg(prepared.start)
+        .arg(prepared.last)
+        .arg(prepared.absent_fence);
+    let mut field = String::with_capacity(32);
+    for run in order.chunk_by(|a, b| a.0 == b.0) {
+        cmd.arg(run.len());
+        for &(_, i) in run {
+            let (id, delta) = prepared.deltas[i];
+            keys.write_field(&mut field, id);
+            cmd.arg(field.as_str()).arg(delta);
+        }
+    }
 }
 
 /// The deltas as the script takes them: `(delta, n)` for each run of `n`
@@ -187,7 +237,9 @@ impl Applier {
     pub fn new(store: Shared, target: Target, keys: KeyLayout, group: &str, topic: &str) -> Self {
         Self {
             store,
-            sha: redis::Script::new(APPLY_LUA).get_hash().to_string(),
+            sha: redis::Script::new(script_text(&keys))
+                .get_hash()
+                .to_string(),
             fences: FenceReader::new(target, keys, group, topic),
         }
     }
@@ -195,6 +247,9 @@ impl Applier {
     /// The same applier writing under another key layout (a new generation).
     pub fn with_keys(&self, keys: KeyLayout) -> Self {
         Self {
+            sha: redis::Script::new(script_text(&keys))
+                .get_hash()
+                .to_string(),
             fences: self.fences.with_keys(keys),
             ..self.clone()
         }
@@ -271,21 +326,45 @@ impl Applier {
                 .ok_or_else(unexpected)
         };
         let (code, fence) = (number(0)?, number(1)?);
+        let text = |i: usize| {
+            reply
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+        };
         if code == REFUSED {
             let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
-            let (id, _) = prepared.deltas.get(index).ok_or_else(unexpected)?;
-            let error = reply
-                .get(3)
-                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-                .unwrap_or_default();
+            let error = text(3).unwrap_or_default();
+            let key = match text(4) {
+                // Packed: the reply names the field, and the field its counter.
+                Some(field) => {
+                    let id = self.keys().parse_field(&field).ok_or_else(unexpected)?;
+                    self.keys().place_of(id).shown()
+                }
+                None => {
+                    let (id, _) = prepared.deltas.get(index).ok_or_else(unexpected)?;
+                    self.keys().key_of(*id)
+                }
+            };
             return Ok(Err(ApplyError::BadKey {
-                key: self.keys().key_of(*id),
+                key,
                 error,
                 start: prepared.start,
                 last: prepared.last,
             }));
         }
         let decision = Decision::from_code(code).ok_or_else(unexpected)?;
+        if let Some(fill) = reply
+            .get(2)
+            .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
+            && decision == Decision::Apply
+            && crate::infra::metrics::packed_fill(fill)
+        {
+            error!(
+                fields = fill,
+                partition = prepared.partition,
+                "A packed hash holds more fields than the server keeps compact (hash-max-listpack-entries): the prefix holds more counters than it was sized for, and its hashes cost several times the memory; move it to a larger size with `tally rebuild --layout packed --packed-counters N`."
+            );
+        }
         Ok(Ok(Reply { decision, fence }))
     }
 

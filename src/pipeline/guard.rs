@@ -13,9 +13,15 @@
 //!   leaves a fence above the high watermark, and every new message below it
 //!   would be dropped as already applied;
 //! * retention that deleted offsets before tally applied them: their events
-//!   are gone from the log and can no longer be counted.
+//!   are gone from the log and can no longer be counted;
+//! * a packed generation on a server that keeps fewer fields (or shorter
+//!   ones) in a compact hash than the generation was sized for: every hash
+//!   turns into a hashtable, several times the memory the layout was chosen
+//!   to save. Refused at start; a hash found past the limit later is an
+//!   ERROR line and `tally_packed_hash_fill_max` above
+//!   `tally_packed_hash_fill_limit` (see `apply`).
 //!
-//! Invariant: none of these passes silently. The first three stop the
+//! Invariant: none of these passes silently. The first three and the last stop the
 //! process before anything is written, with one line naming the fix; the
 //! last is logged with the range lost and counted in
 //! `tally_offsets_skipped_total{reason="retention"}`.
@@ -52,6 +58,20 @@ pub enum GuardError {
         node: String,
         /// Its policy.
         policy: String,
+    },
+    /// A packed generation on a server that would not keep its hashes compact.
+    #[error(
+        "Redis at {node} has {setting} {value}, and this prefix's packed hashes need at least {needed}: its hashes would become hashtables, several times the memory; set {setting} {needed} (or more) in its configuration and with CONFIG SET, then start again"
+    )]
+    Listpack {
+        /// The node.
+        node: String,
+        /// The setting.
+        setting: &'static str,
+        /// Its value.
+        value: u64,
+        /// What the layout needs.
+        needed: u64,
     },
     /// The store's server lacks what tally's scripts call.
     #[error(
@@ -290,6 +310,66 @@ pub fn check_eviction(target: &Target) -> Result<(), GuardError> {
         }
     }
     Ok(())
+}
+
+/// Refuses a server that would not keep a packed generation's hashes as
+/// listpacks: fewer entries than `entries` or shorter values than `value`,
+/// on any primary. Returns the lowest entry limit found (0 when none could
+/// be read: CONFIG refused, as managed services do, which is a warning).
+pub fn check_listpack(target: &Target, entries: u64, value: u64) -> Result<u64, GuardError> {
+    let nodes = match scan_nodes(target) {
+        Ok(nodes) => nodes,
+        Err(error) => {
+            unread_listpack(&shown(target), entries, &error);
+            return Ok(0);
+        }
+    };
+    let mut lowest = u64::MAX;
+    for node in nodes {
+        let name = shown(&node);
+        let limits = connect_blocking(&node, Duration::from_secs(5)).and_then(|mut conn| {
+            let mut read = |setting: &str| -> Result<u64, RedisError> {
+                let (_, value): (String, u64) = redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(setting)
+                    .query(conn.as_mut())?;
+                Ok(value)
+            };
+            Ok((
+                read("hash-max-listpack-entries")?,
+                read("hash-max-listpack-value")?,
+            ))
+        });
+        match limits {
+            Ok((found, _)) if found < entries => {
+                return Err(GuardError::Listpack {
+                    node: name,
+                    setting: "hash-max-listpack-entries",
+                    value: found,
+                    needed: entries,
+                });
+            }
+            Ok((_, found)) if found < value => {
+                return Err(GuardError::Listpack {
+                    node: name,
+                    setting: "hash-max-listpack-value",
+                    value: found,
+                    needed: value,
+                });
+            }
+            Ok((found, _)) => lowest = lowest.min(found),
+            Err(error) => unread_listpack(&name, entries, &error),
+        }
+    }
+    Ok(if lowest == u64::MAX { 0 } else { lowest })
+}
+
+fn unread_listpack(node: &str, entries: u64, error: &RedisError) {
+    warn!(
+        %node,
+        %error,
+        "Cannot read hash-max-listpack-entries: this prefix's packed hashes need at least {entries} (and hash-max-listpack-value of at least 64) to stay compact; check it with your provider.",
+    );
 }
 
 /// A target's URLs without their passwords.

@@ -64,6 +64,7 @@ use tracing::{debug, info, warn};
 
 use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::{self, LayoutError};
+use crate::domain::packing::LONGEST_FIELD;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::security::KafkaAcl;
@@ -165,9 +166,9 @@ pub struct Mode {
     /// `--group`; a rebuild reads with a group of its own but writes the live
     /// group's fences in its generation.
     pub kafka_group: String,
-    /// Write under this key prefix for the whole run; `None` follows the
+    /// Write this generation for the whole run; `None` follows the
     /// generation pointer (and the freeze flag), as `tally run` does.
-    pub fixed_prefix: Option<String>,
+    pub fixed_generation: Option<u64>,
     /// The ACL that lets a principal use `kafka_group`, named when the
     /// brokers deny it.
     pub group_acl: KafkaAcl,
@@ -178,7 +179,7 @@ impl Mode {
     pub fn live(settings: &RunSettings) -> Self {
         Self {
             kafka_group: settings.kafka.group.clone(),
-            fixed_prefix: None,
+            fixed_generation: None,
             group_acl: KafkaAcl::on("Read", "group", &settings.kafka.group),
         }
     }
@@ -255,13 +256,16 @@ pub async fn run_with(
     {
         return Err(backwards.into());
     }
-    let prefix = match (&mode.fixed_prefix, &following) {
-        (Some(prefix), _) => prefix.clone(),
-        (None, Some(f)) => generation::prefix_of(settings.store.prefix(), f.current),
+    let written = match (mode.fixed_generation, &following) {
+        (Some(k), _) => k,
+        (None, Some(f)) => f.current,
         (None, None) => unreachable!("a live pipeline follows the pointer"),
     };
+    let prefix = generation::prefix_of(settings.store.prefix(), written);
     let kafka = &settings.kafka;
-    let applier = Applier::new(
+    // The generation's packing is known once its record is read: until then
+    // the applier only reads fences, which every packing keeps alike.
+    let mut applier = Applier::new(
         opened.store.clone(),
         opened.target().clone(),
         opened.keys.with_prefix(prefix),
@@ -287,9 +291,19 @@ pub async fn run_with(
     let first_start = FirstStart {
         consumer: &consumer,
         partitions,
-        live: mode.fixed_prefix.is_none(),
+        live: mode.fixed_generation.is_none(),
     };
-    let record = check_layout(&opened, &settings, first_start).await?;
+    let record = check_layout(&opened, &settings, first_start, written).await?;
+    applier = applier.with_keys(record.generation_keys(&opened.keys, written));
+    consumer
+        .context()
+        .set_fences(applier.fence_reader().clone());
+    let listpack_limit = match applier.keys().packing().packed() {
+        Some(packed) => tokio::task::block_in_place(|| {
+            guard::check_listpack(&target, packed.entries_needed(), LONGEST_FIELD)
+        })?,
+        None => 0,
+    };
     check_logs(
         &consumer,
         &applier,
@@ -302,6 +316,7 @@ pub async fn run_with(
         .await
         .map_err(unreadable)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
+    metrics::packed_fill_limit(listpack_limit);
     consumer.subscribe(&[&kafka.topic])?;
     info!(
         topic = %kafka.topic,
@@ -311,6 +326,7 @@ pub async fn run_with(
         fence_group = %kafka.group,
         buckets = watch.current().defaults().latest().buckets,
         prefix = %applier.keys().prefix(),
+        layout = %applier.keys().packing(),
         promote_above = settings.hot.promote_above,
         routed_posts = watch.current().routed_posts(),
         "Consuming."

@@ -74,12 +74,7 @@ fn inspect_post(
         tally::domain::generation::report_backwards(&backwards);
     }
     let current = pointer.current;
-    let keys = opened
-        .keys
-        .with_prefix(tally::domain::generation::prefix_of(
-            settings.prefix(),
-            current,
-        ));
+    let keys = record.generation_keys(&opened.keys, current);
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.route_key(args.post_id))
         .query(conn.as_mut())?;
@@ -131,18 +126,22 @@ fn key_table(
     for &(version, buckets) in &meta.versions {
         per_primary.iter_mut().for_each(|n| *n = 0);
         for bucket in 0..buckets {
-            let key = keys.key_of(CounterId {
+            let place = keys.place_of(CounterId {
                 post_id,
                 version,
                 bucket,
             });
-            let slot = key_slot(key.as_bytes());
+            let key = place.shown();
+            let slot = key_slot(place.key.as_bytes());
             let owner = map.owner_of(slot);
             if let Some(primary) = owner {
                 per_primary[primary] += 1;
             }
             let owner = owner.map_or("(unassigned)", |p| map.primaries()[p].as_str());
-            let value: Option<i64> = redis::cmd("GET").arg(&key).query(conn)?;
+            let value: Option<i64> = match &place.field {
+                None => redis::cmd("GET").arg(&place.key).query(conn)?,
+                Some(field) => redis::cmd("HGET").arg(&place.key).arg(field).query(conn)?,
+            };
             total += value.unwrap_or(0);
             let version = match version.checked_sub(DEFAULT_EPOCHS) {
                 Some(epoch) if epoch > 0 => format!("d{epoch}"),

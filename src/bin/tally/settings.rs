@@ -17,6 +17,9 @@ use std::time::Duration;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
+use tally::infra::config::packing::{
+    DEFAULT_PACKED_COUNTERS, DEFAULT_PACKED_FIELDS, LayoutName, PackingSettings,
+};
 use tally::infra::config::{
     self as lib, Batching, ConfigError, GroupProtocol, HotSettings, KafkaSecurity,
     KafkaSecurityInput, KafkaSettings, Password, RedisTlsFiles, RunSettings, StoreSettings,
@@ -251,6 +254,26 @@ pub struct RunArgs {
     #[serde(flatten)]
     pub buckets: BucketsArg,
 
+    /// How a new prefix keeps its counters (the first `tally run` writes it into the layout
+    /// record; `tally rebuild --layout` moves a prefix to the other one): `strings`, a key
+    /// per counter (INCRBY), or `packed`, fields of small hashes (HINCRBY): about a fifth of
+    /// the memory for about twice the Redis CPU per write (docs/design.md). Unset: the
+    /// prefix's, and strings on a new one.
+    #[arg(long, env = "TALLY_LAYOUT", value_parser = layout_parser(), help_heading = REDIS)]
+    pub layout: Option<LayoutName>,
+
+    /// Counters a new packed prefix is sized for (the number of hashes is fixed when it is
+    /// made): past about twice this, hashes outgrow Redis's compact encoding, which
+    /// tally_packed_hash_fill_max shows; `tally rebuild --layout packed` sizes it anew.
+    #[arg(long, env = "TALLY_PACKED_COUNTERS", value_name = "N", default_value_t = DEFAULT_PACKED_COUNTERS, help_heading = REDIS)]
+    pub packed_counters: u64,
+
+    /// Fields per hash a new packed prefix is sized for. Redis must keep hashes of this many
+    /// fields and eight standard deviations more in a listpack (hash-max-listpack-entries,
+    /// 128 unless set, holds 64), or `tally run` refuses to start.
+    #[arg(long, env = "TALLY_PACKED_FIELDS", value_name = "N", default_value_t = DEFAULT_PACKED_FIELDS, help_heading = REDIS)]
+    pub packed_fields: u32,
+
     /// Promote a post to --hot-buckets when its events across all consumers
     /// exceed this many per second (0 turns detection off; `tally promote` still works).
     #[arg(long, env = "TALLY_PROMOTE_ABOVE", default_value_t = lib::DEFAULT_PROMOTE_ABOVE, help_heading = HOT)]
@@ -427,6 +450,11 @@ impl RunArgs {
                 mode: self.dedupe,
                 span: self.dedupe_window,
             },
+            packing: PackingSettings {
+                layout: self.layout,
+                counters: self.packed_counters,
+                fields: self.packed_fields,
+            },
         };
         problems.extend(settings.problems());
         if problems.is_empty() {
@@ -466,6 +494,12 @@ pub fn run_settings(matches: &ArgMatches) -> anyhow::Result<RunSettings> {
 fn group_protocol_parser() -> impl TypedValueParser<Value = GroupProtocol> {
     PossibleValuesParser::new(GroupProtocol::ALL.map(GroupProtocol::as_str))
         .map(|name| name.parse().expect("a listed protocol"))
+}
+
+/// `--layout`'s values.
+fn layout_parser() -> impl TypedValueParser<Value = LayoutName> {
+    PossibleValuesParser::new(LayoutName::ALL.map(LayoutName::as_str))
+        .map(|name| name.parse().expect("a listed layout"))
 }
 
 /// `--dedupe`'s values.

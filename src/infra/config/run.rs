@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::kafka::KafkaSettings;
 use super::store::StoreSettings;
-use super::{ConfigError, GroupProtocol, bad, dedupe};
+use super::{ConfigError, GroupProtocol, bad, dedupe, packing};
 use crate::infra::store::ReplicaWait;
 
 /// Default number of buckets per post on a new prefix: one key per cold post;
@@ -125,6 +125,9 @@ pub struct RunSettings {
     /// Which repeated records change no count, within how many offsets (see
     /// [`crate::pipeline::dedupe`]).
     pub dedupe: dedupe::DedupeSettings,
+    /// How a new prefix, or the generation a rebuild makes, keeps its
+    /// counters (see [`crate::domain::packing`]).
+    pub packing: packing::PackingSettings,
 }
 
 impl RunSettings {
@@ -189,6 +192,16 @@ impl RunSettings {
                 .all(|&id| (1..=MAX_SCHEMA_ID).contains(&id)),
             "schema-ids",
             "each id must be between 1 and 2147483647 (Schema Registry ids are positive 32-bit integers)",
+        );
+        check(
+            (1..=packing::MAX_PACKED_FIELDS).contains(&self.packing.fields),
+            "packed-fields",
+            "must be between 1 and 4096",
+        );
+        check(
+            self.packing.counters != 0,
+            "packed-counters",
+            "must be at least 1",
         );
         check(
             (1..=dedupe::MAX_WINDOW).contains(&self.dedupe.span),

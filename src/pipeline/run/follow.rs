@@ -27,8 +27,8 @@ use tracing::{error, info, warn};
 
 use super::reader::View;
 use super::{Pipeline, RunError, intake};
-use crate::domain::generation;
 use crate::domain::versions::RouteWatch;
+use crate::domain::{generation, layout};
 use crate::pipeline::apply::ApplyError;
 
 impl Pipeline {
@@ -133,10 +133,25 @@ impl Pipeline {
     /// Points the applier, the rebalance fence reader and the routing
     /// registry at generation `k`; `false` when shutdown came first.
     async fn write_generation(&mut self, k: u64, shutdown: &CancellationToken) -> bool {
+        let base = self.settings.store.prefix();
+        // A generation keeps the packing its rebuild recorded before writing it.
+        let packing = loop {
+            match layout::read_packing(self.applier.store(), base, k).await {
+                Ok(packing) => break packing,
+                Err(error) => {
+                    warn!(%error, generation = k, "Reading the new generation's layout failed; retrying.");
+                    if shutdown.is_cancelled() {
+                        return false;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
         let keys = self
             .applier
             .keys()
-            .with_prefix(generation::prefix_of(self.settings.store.prefix(), k));
+            .with_prefix(generation::prefix_of(base, k))
+            .with_packing(packing);
         self.applier = self.applier.with_keys(keys.clone());
         self.consumer
             .context()

@@ -18,6 +18,7 @@ use super::{Following, Mode, RunError};
 use crate::domain::generation::GenerationWatch;
 use crate::domain::layout::adopt::{self, Survey};
 use crate::domain::layout::{self, LayoutError, OpenStore, Record, WriterLayout};
+use crate::domain::packing::Wanted;
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
 use crate::infra::config::{DEFAULT_BUCKETS, KafkaSettings, RunSettings};
@@ -70,6 +71,7 @@ pub(super) async fn check_layout(
     opened: &OpenStore,
     settings: &RunSettings,
     first: FirstStart<'_>,
+    generation: u64,
 ) -> Result<Record, RunError> {
     let base = settings.store.prefix();
     let kafka = &settings.kafka;
@@ -151,7 +153,7 @@ pub(super) async fn check_layout(
             );
         }
     }
-    layout::check_writer(opened, &writer, &record).await?;
+    layout::check_writer(opened, &writer, &record, generation).await?;
     Ok(record)
 }
 
@@ -162,6 +164,7 @@ pub fn writer_layout(settings: &RunSettings) -> WriterLayout {
         slot_groups: layout::slot_groups(&settings.store).count(),
         topic: settings.kafka.topic.clone(),
         group: settings.kafka.group.clone(),
+        packing: Wanted::from_settings(&settings.packing),
     }
 }
 
@@ -205,7 +208,7 @@ pub(super) async fn follow_pointer(
     mode: &Mode,
     shutdown: &CancellationToken,
 ) -> Result<Option<Following>, redis::RedisError> {
-    if mode.fixed_prefix.is_some() {
+    if mode.fixed_generation.is_some() {
         return Ok(None);
     }
     let watch = GenerationWatch::start(

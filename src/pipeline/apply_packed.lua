@@ -1,0 +1,105 @@
+-- apply_packed.lua: apply.lua for a packed generation, whose counters are
+-- fields of small hashes: the same fence, the same decisions, all or nothing.
+--
+-- KEYS[1]       the group's fence key (same hash slot as every hash)
+-- KEYS[2..n]    the hashes <prefix>:packed:<n>[:{tag}] the counters live in
+-- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
+-- ARGV[2]       last: last offset the range covers
+-- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
+-- ARGV[4..]     for each of KEYS[2..] in order: m, then m pairs (field, delta)
+--
+-- Returns {code, fence, fill}; fence is the fence found before the call, fill
+-- the most fields any hash written holds after it (0 when nothing was written).
+--   0 applied: every delta added, fence set to last
+--   1 duplicate: fence >= last; nothing written
+--   2 straddle: start <= fence < last; nothing written
+--   3 gap: fence + 1 < start; nothing written
+--   4 refused: {4, fence, i, error, field}: HINCRBY refused field of KEYS[i]
+--     (a value that is not an integer, a key of another type, an overflow);
+--     the deltas already added are taken back, so no count changes and the
+--     fence stays
+-- An error reply (NOPERM) when the caller's ACL lacks a command the script
+-- may call; nothing written.
+-- A field the undo brings back to 0 is deleted, and a hash left empty goes
+-- with its last field: absent reads as 0, and a refused call creates nothing.
+
+local raw = redis.call('GET', KEYS[1])
+local fence = tonumber(raw or ARGV[3])
+local start = tonumber(ARGV[1])
+local last = tonumber(ARGV[2])
+
+if fence >= last then
+  return {1, fence, 0}
+end
+if fence + 1 < start then
+  return {3, fence, 0}
+end
+if fence + 1 > start then
+  return {2, fence, 0}
+end
+
+-- Every command the script may run is checked before the first write: a
+-- user without one would otherwise stop it half-way (see apply.lua).
+for _, call in ipairs({{'HINCRBY', KEYS[1], 'f', '0'}, {'HDEL', KEYS[1], 'f'}, {'HLEN', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
+  if not redis.acl_check_cmd(unpack(call)) then
+    return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
+  end
+end
+
+local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
+
+-- The arguments must cover every key, each with whole pairs.
+local a, covered = 4, 1
+while a <= #argv do
+  local m = tonumber(argv[a])
+  if not m or m < 0 or m % 1 ~= 0 then
+    break
+  end
+  a = a + 1 + 2 * m
+  covered = covered + 1
+end
+if a ~= #argv + 1 or covered ~= #keys then
+  return redis.error_reply('ERR apply_packed.lua: ARGV[4..] does not give whole (field, delta) pairs for each of the ' .. (#keys - 1) .. ' hashes of KEYS')
+end
+
+-- Takes back every delta before pair p of KEYS[upto] (and all of the keys
+-- before it).
+local function undo(upto, p)
+  local at = 4
+  for k = 2, upto do
+    local m = tonumber(argv[at])
+    local stop = m
+    if k == upto then
+      stop = p - 1
+    end
+    for j = 1, stop do
+      local field = argv[at + 2 * j - 1]
+      if redis.call('HINCRBY', keys[k], field, -tonumber(argv[at + 2 * j])) == 0 then
+        redis.call('HDEL', keys[k], field)
+      end
+    end
+    at = at + 1 + 2 * m
+  end
+end
+
+local fill = 0
+local at = 4
+for k = 2, #keys do
+  local key = keys[k]
+  local m = tonumber(argv[at])
+  for j = 1, m do
+    local field = argv[at + 2 * j - 1]
+    local added = pcall('HINCRBY', key, field, argv[at + 2 * j])
+    if kind(added) == 'table' then
+      undo(k, j)
+      return {4, fence, k, added.err, field}
+    end
+  end
+  local n = redis.call('HLEN', key)
+  if n > fill then
+    fill = n
+  end
+  at = at + 1 + 2 * m
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return {0, fence, fill}
