@@ -21,14 +21,11 @@ const HOT: u64 = 777_000_777;
 const HOT_PER_ROUND: usize = 60;
 const ROUND: Duration = Duration::from_millis(100);
 
-/// The sum of every counter key of `post`, found by SCAN: what writers have applied so far.
+/// The sum of every counter of `post`, found by SCAN: what writers have applied so far, and
+/// the counters, named as their string keys.
 fn scanned_sum(conn: &mut redis::Connection, prefix: &str, post: u64) -> (i64, Vec<String>) {
-    let keys = scan_keys(conn, &format!("{prefix}:likes:{post}:*"));
-    if keys.is_empty() {
-        return (0, keys);
-    }
-    let values: Vec<Option<i64>> = redis::cmd("MGET").arg(&keys).query(conn).expect("MGET");
-    (values.into_iter().flatten().sum(), keys)
+    let counters = post_counters(conn, prefix, post);
+    (counters.values().sum(), counters.into_keys().collect())
 }
 
 #[test]

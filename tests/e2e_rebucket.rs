@@ -46,37 +46,24 @@ impl Store {
         }
     }
 
-    /// Every key matching `pattern` with its value, found by scanning every primary.
-    fn counters(&self, pattern: &str) -> HashMap<String, i64> {
+    /// Every counter of `post` with its value, named as its string key (without a cluster's
+    /// tag), in either layout, found by scanning every primary.
+    fn counters(&self, prefix: &str, post: u64) -> HashMap<String, i64> {
         match self {
-            Store::Single(redis) => {
-                let mut conn = redis.conn();
-                let keys = scan_keys(&mut conn, pattern);
-                if keys.is_empty() {
-                    return HashMap::new();
-                }
-                let values: Vec<Option<i64>> = redis::cmd("MGET")
-                    .arg(&keys)
-                    .query(&mut conn)
-                    .expect("MGET");
-                keys.into_iter()
-                    .zip(values)
-                    .filter_map(|(k, v)| Some((k, v?)))
-                    .collect()
-            }
-            Store::Cluster(cluster) => cluster
-                .scan(pattern)
+            Store::Single(redis) => post_counters(&mut redis.conn(), prefix, post)
                 .into_iter()
-                .map(|(k, v)| (k, v.parse().expect("an integer counter")))
+                .collect(),
+            Store::Cluster(cluster) => cluster
+                .post_places(prefix, post)
+                .into_iter()
+                .map(|place| (place.name, place.value))
                 .collect(),
         }
     }
 
-    /// The sum of `post`'s counter keys: what writers have applied so far.
+    /// The sum of `post`'s counters: what writers have applied so far.
     fn scanned(&self, prefix: &str, post: u64) -> i64 {
-        self.counters(&format!("{prefix}:likes:{post}:*"))
-            .values()
-            .sum()
+        self.counters(prefix, post).values().sum()
     }
 
     fn counts(&self, prefix: &str) -> HashMap<u64, i64> {
@@ -229,7 +216,7 @@ fn rebucket_under_live_traffic(name: &str, store: Store) {
     // Each epoch took likes: version 0 before the first change, d1 (one bucket) between the
     // two, d2 (sixteen) after.
     let head = format!("{}:likes:{WATCHED}:", run.prefix);
-    let counters = store.counters(&format!("{head}*"));
+    let counters = store.counters(&run.prefix, WATCHED);
     let of = |tag: &str| {
         counters
             .keys()

@@ -446,8 +446,13 @@ pub fn describe(bad_reasons: &[&'static str]) {
     // Registered so that its series exist before the first re-read ends.
     let _ = histogram!(DEDUPE_REREAD_SECONDS);
     gauge!(ROUTED_POSTS).set(0.0);
-    gauge!(PACKED_FILL_MAX).set(0.0);
-    gauge!(PACKED_FILL_LIMIT).set(0.0);
+    // Both may be known before the exporter is described (the limit is read
+    // at start): registered with what is known.
+    let known = |value: &std::sync::atomic::AtomicU64| {
+        value.load(std::sync::atomic::Ordering::Relaxed) as f64
+    };
+    gauge!(PACKED_FILL_MAX).set(known(&PACKED_FILL));
+    gauge!(PACKED_FILL_LIMIT).set(known(&PACKED_LIMIT));
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(ROUTING_UNFREEZES).set(0.0);

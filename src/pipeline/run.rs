@@ -64,7 +64,6 @@ use tracing::{debug, info, warn};
 
 use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::{self, LayoutError};
-use crate::domain::packing::LONGEST_FIELD;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::security::KafkaAcl;
@@ -298,12 +297,7 @@ pub async fn run_with(
     consumer
         .context()
         .set_fences(applier.fence_reader().clone());
-    let listpack_limit = match applier.keys().packing().packed() {
-        Some(packed) => tokio::task::block_in_place(|| {
-            guard::check_listpack(&target, packed.entries_needed(), LONGEST_FIELD)
-        })?,
-        None => 0,
-    };
+
     check_logs(
         &consumer,
         &applier,
@@ -316,7 +310,6 @@ pub async fn run_with(
         .await
         .map_err(unreadable)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
-    metrics::packed_fill_limit(listpack_limit);
     consumer.subscribe(&[&kafka.topic])?;
     info!(
         topic = %kafka.topic,

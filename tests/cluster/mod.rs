@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::common::{redis_tool, scan_keys, store_server};
+use crate::common::{packed_as_key, redis_tool, scan_keys, store_server};
 
 /// One node of the cluster.
 pub struct Node {
@@ -472,6 +472,51 @@ impl RedisCluster {
         all
     }
 
+    /// Where every counter of `post` under `prefix` is, across the cluster: (primary's port,
+    /// key, field when packed, value, the counter named as its string key).
+    pub fn post_places(&self, prefix: &str, post: u64) -> Vec<Place> {
+        let mut all = Vec::new();
+        for (port, _) in self.primaries() {
+            let mut c = conn(port);
+            for key in scan_keys(&mut c, &format!("{prefix}:likes:{post}:*")) {
+                match redis::cmd("GET").arg(&key).query::<Option<i64>>(&mut c) {
+                    Ok(Some(value)) => all.push(Place {
+                        port,
+                        name: strip_tag(&key),
+                        key,
+                        field: None,
+                        value,
+                    }),
+                    Ok(None) => {}
+                    Err(e) if matches!(e.code(), Some("MOVED" | "ASK")) => {}
+                    Err(e) => panic!("GET {key} on {port}: {e}"),
+                }
+            }
+            for key in scan_keys(&mut c, &format!("{prefix}:packed:*")) {
+                let fields: Vec<(String, i64)> = match redis::cmd("HGETALL").arg(&key).query(&mut c)
+                {
+                    Ok(fields) => fields,
+                    Err(e) if matches!(e.code(), Some("MOVED" | "ASK")) => continue,
+                    Err(e) => panic!("HGETALL {key} on {port}: {e}"),
+                };
+                for (field, value) in fields {
+                    if let Some((of, name)) = packed_as_key(prefix, &field)
+                        && of == post
+                    {
+                        all.push(Place {
+                            port,
+                            key: key.clone(),
+                            field: Some(field),
+                            value,
+                            name,
+                        });
+                    }
+                }
+            }
+        }
+        all
+    }
+
     /// Per post, the sum of `<prefix>:likes:<post>:*` across the cluster.
     pub fn read_counts(&self, prefix: &str) -> HashMap<u64, i64> {
         let head = format!("{prefix}:likes:");
@@ -486,6 +531,22 @@ impl RedisCluster {
                 .parse()
                 .unwrap();
             *counts.entry(post).or_insert(0) += value.parse::<i64>().unwrap();
+        }
+        // The packed layout: fields `<post as i64>[:...]` of `<prefix>:packed:<n>:{tag}`.
+        for (port, _) in self.primaries() {
+            let mut c = conn(port);
+            for key in scan_keys(&mut c, &format!("{prefix}:packed:*")) {
+                let fields: Vec<(String, String)> =
+                    match redis::cmd("HGETALL").arg(&key).query(&mut c) {
+                        Ok(fields) => fields,
+                        Err(e) if matches!(e.code(), Some("MOVED" | "ASK")) => continue,
+                        Err(e) => panic!("HGETALL {key} on {port}: {e}"),
+                    };
+                for (field, value) in fields {
+                    let post = field.split(':').next().unwrap().parse::<i64>().unwrap() as u64;
+                    *counts.entry(post).or_insert(0) += value.parse::<i64>().unwrap();
+                }
+            }
         }
         counts
     }
@@ -580,5 +641,28 @@ fn pairs(value: &redis::Value) -> HashMap<String, &redis::Value> {
             .filter_map(|(k, v)| Some((text(k)?, v)))
             .collect(),
         _ => HashMap::new(),
+    }
+}
+
+/// One counter found on a cluster (see [`RedisCluster::post_places`]).
+#[derive(Debug, Clone)]
+pub struct Place {
+    /// The primary holding it.
+    pub port: u16,
+    /// Its key: the string key, or the hash.
+    pub key: String,
+    /// Its field, when packed.
+    pub field: Option<String>,
+    /// Its value.
+    pub value: i64,
+    /// The counter named as its string key, without the slot group's tag.
+    pub name: String,
+}
+
+/// A string counter key without its trailing `:{tag}`.
+fn strip_tag(key: &str) -> String {
+    match key.rfind(":{") {
+        Some(at) if key.ends_with('}') => key[..at].to_string(),
+        _ => key.to_string(),
     }
 }

@@ -28,6 +28,8 @@ pub struct Tally {
 /// A new group reads the backlog from the earliest offset: tally's own start, which `-X` cannot
 /// change.
 /// `TALLY_TEST_KAFKA_DEBUG=cgrp,...` adds librdkafka debug contexts, logged at debug level.
+/// `TALLY_TEST_LAYOUT=packed` counts into the packed layout (fields of small hashes) instead
+/// of a string key per counter; [`super::read_counts`] reads either.
 pub fn tally_args(
     brokers: &str,
     topic: &str,
@@ -55,6 +57,7 @@ pub fn tally_args(
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(test_layout())
     .chain(
         std::env::var("TALLY_TEST_KAFKA_DEBUG")
             .ok()
@@ -62,6 +65,18 @@ pub fn tally_args(
             .flat_map(|d| ["-X".to_string(), format!("debug={d}")]),
     )
     .collect()
+}
+
+/// `--layout packed` (sized small, so that a test's few thousand posts fill several hashes)
+/// when `TALLY_TEST_LAYOUT=packed`; nothing otherwise. Any other value stops the test.
+pub fn test_layout() -> Vec<String> {
+    match std::env::var("TALLY_TEST_LAYOUT").as_deref() {
+        Err(_) | Ok("") | Ok("strings") => Vec::new(),
+        Ok("packed") => ["--layout", "packed", "--packed-counters", "20000"]
+            .map(String::from)
+            .to_vec(),
+        Ok(other) => panic!("TALLY_TEST_LAYOUT={other}: expected strings or packed"),
+    }
 }
 
 /// The `tally` binary the end-to-end tests run: `TALLY_TEST_BIN`, or the one cargo built.

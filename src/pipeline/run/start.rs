@@ -18,7 +18,7 @@ use super::{Following, Mode, RunError};
 use crate::domain::generation::GenerationWatch;
 use crate::domain::layout::adopt::{self, Survey};
 use crate::domain::layout::{self, LayoutError, OpenStore, Record, WriterLayout};
-use crate::domain::packing::Wanted;
+use crate::domain::packing::{LONGEST_FIELD, Packing, Wanted};
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
 use crate::infra::config::{DEFAULT_BUCKETS, KafkaSettings, RunSettings};
@@ -75,7 +75,16 @@ pub(super) async fn check_layout(
 ) -> Result<Record, RunError> {
     let base = settings.store.prefix();
     let kafka = &settings.kafka;
-    let unrecorded = layout::read_record(&opened.store, base).await?.is_none();
+    let existing = layout::read_record(&opened.store, base).await?;
+    let unrecorded = existing.is_none();
+    // The packing the written generation will have, checked against the
+    // server before the record names it.
+    let writer = writer_layout(settings);
+    let packing = match &existing {
+        Some(record) => record.packing_of(generation),
+        None => Record::of_writer(&writer, 0).packing_of(0),
+    };
+    check_listpack(opened, &packing)?;
     // Only while the prefix has no record: one SCAN of the prefix, once. A
     // rebuild recounts from the log into a generation of its own, so there is
     // nothing for it to adopt (and its own keys must not read as such).
@@ -129,7 +138,6 @@ pub(super) async fn check_layout(
             );
         }
     }
-    let writer = writer_layout(settings);
     let proposed = Record::of_writer(&writer, wall_ms());
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
@@ -155,6 +163,20 @@ pub(super) async fn check_layout(
     }
     layout::check_writer(opened, &writer, &record, generation).await?;
     Ok(record)
+}
+
+/// Refuses a server that would not keep the hashes of `packing` compact
+/// (see [`guard::check_listpack`]) and records its limit; nothing for
+/// string keys.
+fn check_listpack(opened: &OpenStore, packing: &Packing) -> Result<(), GuardError> {
+    let limit = match packing.packed() {
+        Some(packed) => tokio::task::block_in_place(|| {
+            guard::check_listpack(opened.target(), packed.entries_needed(), LONGEST_FIELD)
+        })?,
+        None => 0,
+    };
+    crate::infra::metrics::packed_fill_limit(limit);
+    Ok(())
 }
 
 /// The layout a writer with `settings` uses, as its prefix's record holds it.
