@@ -19,7 +19,8 @@
 //!   dedupe      which records repeat a like (the id and action rules), judged
 //!               against a window of the partition's log; fingerprints: its table
 //!   aggregate   per-partition batches of net deltas per (post, bucket)
-//!   apply       a batch behind its fence (apply.lua); the exactly-once argument;
+//!   apply       a batch behind its fence (apply.lua; apply_packed.lua for packed
+//!               counters); the exactly-once argument;
 //!               the one reader of fences
 //!   commit      Kafka offsets, only after the script succeeded
 //!   dead_letter copies of bad messages, confirmed before their batch applies
@@ -28,6 +29,7 @@
 //! domain/     what the stored data means
 //!   fence       the pure apply / duplicate / straddle / gap decision
 //!   routing     the stable hash, buckets and the Redis key layout
+//!   packing     a generation's counters as string keys or as fields of small hashes
 //!   slots       Redis Cluster hash slots and slot groups
 //!   versions    routing versions of posts and epochs of the default layout;
 //!               registry: their Redis side (route_*.lua, registry_clock.lua);
@@ -39,7 +41,7 @@
 //!   proto       the generated LikeEvent
 //! infra/      what the service runs on
 //!   config      the settings (StoreSettings, RunSettings, ServeLimits) and their checks
-//!               (store, kafka, kafka_security, run, serve, dedupe)
+//!               (store, kafka, kafka_security, run, serve, dedupe, packing)
 //!   store       the parsed Redis URL and its TLS files, connections to one server or a cluster
 //!               (url, replicas, lua, server)
 //!   retry       backoff and the retryable / fatal split of Redis errors

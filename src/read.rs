@@ -97,7 +97,8 @@ struct KeyCommand {
 }
 
 impl KeyCommand {
-    /// Reads one counter: GET of its key, HGET of its field when packed.
+    /// Reads one counter: GET of its key, or HMGET of its one field when
+    /// packed (HMGET, which readers' ACL already grants for the registry).
     fn counter(place: Place) -> Self {
         match place.field {
             None => Self {
@@ -106,12 +107,22 @@ impl KeyCommand {
                 args: Vec::new(),
             },
             Some(field) => Self {
-                name: "HGET",
+                name: "HMGET",
                 key: place.key,
                 args: vec![field],
             },
         }
     }
+}
+
+/// A counter's value as [`KeyCommand::counter`] reads it: GET's reply, or
+/// HMGET's one-element array; absent reads as 0.
+fn counter_value(value: &Value) -> Result<i64, RedisError> {
+    let value = match value {
+        Value::Array(items) if items.len() == 1 => &items[0],
+        other => other,
+    };
+    Ok(redis::from_redis_value_ref::<Option<i64>>(value)?.unwrap_or(0))
 }
 
 /// Reads counts, with a per-process cache and coalesced misses. Cheap to clone.
@@ -193,15 +204,17 @@ impl Reader {
         let pointer = generation::read_pointer(&inner.store, inner.base.prefix()).await?;
         self.report_backwards(&pointer);
         // A generation keeps its packing for good: it is read from the
-        // layout record when the pointer names another generation.
+        // layout record on the first read and when the pointer names another
+        // generation, whatever layout the reader was made with.
         let known = {
             let layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
             (layout.0 == pointer.current && layout.2.is_some()).then(|| *layout.1.packing())
         };
-        let packing = match (known, pointer.current) {
-            (Some(packing), _) => packing,
-            (None, 0) => *inner.base.packing(),
-            (None, k) => layout::read_packing(&inner.store, inner.base.prefix(), k).await?,
+        let packing = match known {
+            Some(packing) => packing,
+            None => {
+                layout::read_packing(&inner.store, inner.base.prefix(), pointer.current).await?
+            }
         };
         let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
         if pointer.current >= layout.0 || layout.2.is_none() {
@@ -460,7 +473,7 @@ impl Reader {
                 if let Some(&(_, at)) = offsets.iter().find(|(v, _)| *v == (version, buckets)) {
                     let start = i * per_post + at;
                     for value in &values[start..start + buckets as usize] {
-                        likes += redis::from_redis_value_ref::<Option<i64>>(value)?.unwrap_or(0);
+                        likes += counter_value(value)?;
                     }
                     continue;
                 }
@@ -482,7 +495,7 @@ impl Reader {
         if !extra.is_empty() {
             let (owners, commands): (Vec<usize>, Vec<_>) = extra.into_iter().unzip();
             for (i, value) in owners.into_iter().zip(self.query(commands).await?) {
-                counts[i].likes += redis::from_redis_value::<Option<i64>>(value)?.unwrap_or(0);
+                counts[i].likes += counter_value(&value)?;
             }
         }
         Ok(counts)

@@ -455,6 +455,7 @@ fn every_failure_has_an_alert() {
         "TallyServeErrors",
         "TallyOffsetsSkipped",
         "TallyFenceAhead",
+        "TallyPackedHashesOverfull",
         "TallyBadMessages",
         "TallyDeadLettersStuck",
         "TallyApplyErrors",

@@ -100,11 +100,14 @@ fn rebuild_moves_a_live_prefix_to_packed_and_back_exactly() {
     assert_eq!(layout.as_deref(), Some("packed:63:64"));
 
     // A writer that names the layout the prefix left is refused, in one line.
-    let refused = run_refused(&args(&run, &url, &[&tuning[..], &["--layout", "strings"]].concat()));
+    let refused = run_refused(&args(
+        &run,
+        &url,
+        &[&tuning[..], &["--layout", "strings"]].concat(),
+    ));
     let line = refusal_line(&refused);
     assert!(
-        line.contains("--layout strings")
-            && line.contains("tally rebuild --layout strings"),
+        line.contains("--layout strings") && line.contains("tally rebuild --layout strings"),
         "{line}"
     );
 
@@ -120,7 +123,10 @@ fn rebuild_moves_a_live_prefix_to_packed_and_back_exactly() {
         || live.assert_running(),
     );
     let (strings, hashes) = kinds(&mut conn, &g1);
-    assert!(strings == 0 && hashes > 0, "g1: {strings} string keys, {hashes} hashes");
+    assert!(
+        strings == 0 && hashes > 0,
+        "g1: {strings} string keys, {hashes} hashes"
+    );
     assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
     assert!(
         live.log_text().contains("Switched to generation."),

@@ -36,6 +36,7 @@
 
 mod compute;
 mod dedupe;
+mod layout;
 mod model;
 mod table;
 mod warn;
@@ -50,6 +51,9 @@ use tally::infra::config::{ConfigError, DEFAULT_FLUSH_INTERVAL_MS};
 
 pub use compute::plan;
 pub use dedupe::{Dedupe, MEASURED_BYTES_PER_EVENT};
+pub use layout::{
+    Layouts, MEASURED_PACKED_BYTES, MEASURED_PACKED_CPU_RATIO, MEASURED_STRING_BYTES,
+};
 pub use model::keys_needed;
 
 /// Events/s of one `tally run` consumer planned for: its rate on Apache Kafka (145,882 Zipf and
@@ -128,6 +132,27 @@ pub struct PlanArgs {
     /// [default: --consumer-events, which also writes to Redis, so an upper bound on the time].
     #[arg(long)]
     pub reread_events: Option<f64>,
+    /// Price the counters' memory and write CPU in both layouts (a string key per counter,
+    /// or `--layout packed`) for this many counters: one per post, plus one per bucket of a
+    /// hot post [default: none priced].
+    #[arg(long)]
+    pub counters: Option<f64>,
+    /// Redis memory the counters may take, before replicas (GB); with --counters, says
+    /// which layout fits.
+    #[arg(long, requires = "counters")]
+    pub memory_budget_gb: Option<f64>,
+    /// Redis memory one counter kept as a string key costs (bytes; measured with 10M random
+    /// post ids in docs/benchmarks.md).
+    #[arg(long, default_value_t = MEASURED_STRING_BYTES)]
+    pub string_bytes: f64,
+    /// Redis memory one counter kept packed costs, at the default fields per hash (bytes;
+    /// measured beside --string-bytes).
+    #[arg(long, default_value_t = MEASURED_PACKED_BYTES)]
+    pub packed_bytes: f64,
+    /// Redis CPU of one packed counter write over one string key write (measured beside
+    /// --string-bytes).
+    #[arg(long, default_value_t = MEASURED_PACKED_CPU_RATIO)]
+    pub packed_cpu_ratio: f64,
     /// Take the slot map of the live server or cluster --redis names
     /// (redis+cluster://host:port,...) instead of an even split.
     #[arg(long)]
@@ -158,6 +183,9 @@ pub struct Plan {
     /// The dedupe window's price, with `--dedupe-window`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dedupe: Option<Dedupe>,
+    /// Both layouts' price, with `--counters`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layouts: Option<Layouts>,
     /// Problems found, in words.
     pub warnings: Vec<String>,
 }

@@ -70,12 +70,14 @@ pub fn plan(args: &PlanArgs, live: Option<SlotMap>) -> Result<Plan, ConfigError>
     };
     let warnings = super::warn::warnings(args, &kafka, &hot_post, &redis);
     let dedupe = super::dedupe::dedupe(args, &kafka);
+    let layouts = super::layout::layouts(args, &redis);
     Ok(Plan {
         inputs: args.clone(),
         kafka,
         hot_post,
         redis,
         dedupe,
+        layouts,
         warnings,
     })
 }

@@ -51,6 +51,7 @@ pub fn render(plan: &Plan) -> String {
     redis(&mut out, plan);
     busiest_primary(&mut out, plan);
     dedupe(&mut out, plan);
+    layouts(&mut out, plan);
     warnings(&mut out, &plan.warnings);
     out
 }
@@ -239,6 +240,33 @@ fn dedupe(out: &mut String, plan: &Plan) {
     row(out, "re-read at assignment", &duration(one), &rate);
     let whole = format!("a consumer's {} partitions", d.partitions_per_consumer);
     row(out, "", &duration(all), &whole);
+}
+
+/// Both layouts' memory and write load, and the one to take, when priced.
+fn layouts(out: &mut String, plan: &Plan) {
+    let Some(l) = &plan.layouts else {
+        return;
+    };
+    let n = thousands;
+    let budget = match l.budget_bytes {
+        Some(b) => format!(", within {}", bytes(b)),
+        None => String::new(),
+    };
+    let _ = writeln!(out, "\nCounters ({}{budget})", n(l.counters));
+    for price in [&l.strings, &l.packed] {
+        let fits = match (l.budget_bytes, price.fits) {
+            (None, _) => "",
+            (Some(_), true) => ", fits",
+            (Some(_), false) => ", over budget",
+        };
+        let note = format!(
+            "{:.1} B a counter; writes {} calls/s' worth{fits}",
+            price.bytes_per_counter,
+            n(price.write_load_ops)
+        );
+        row(out, price.layout, &bytes(price.memory_bytes), &note);
+    }
+    item(out, &l.verdict);
 }
 
 /// The warnings as a list, or "none".
