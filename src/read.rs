@@ -210,11 +210,20 @@ impl Reader {
             let layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
             (layout.0 == pointer.current && layout.2.is_some()).then(|| *layout.1.packing())
         };
-        let packing = match known {
-            Some(packing) => packing,
-            None => {
-                layout::read_packing(&inner.store, inner.base.prefix(), pointer.current).await?
-            }
+        // A prefix without a record yet is read as string keys (it holds
+        // nothing) and looked at again on the next read.
+        let (packing, recorded) = match known {
+            Some(packing) => (packing, true),
+            None => match layout::packing_if_recorded(
+                &inner.store,
+                inner.base.prefix(),
+                pointer.current,
+            )
+            .await?
+            {
+                Some(packing) => (packing, true),
+                None => (*inner.base.packing(), false),
+            },
         };
         let mut layout = inner.layout.lock().unwrap_or_else(|e| e.into_inner());
         if pointer.current >= layout.0 || layout.2.is_none() {
@@ -222,7 +231,7 @@ impl Reader {
             *layout = (
                 pointer.current,
                 inner.base.with_prefix(prefix).with_packing(packing),
-                Some(read_at),
+                recorded.then_some(read_at),
             );
         }
         Ok((layout.0, layout.1.clone()))

@@ -483,36 +483,50 @@ pub async fn ensure_record(
     Ok((record, outcome == "1"))
 }
 
-/// How generation `k` of `base` keeps its counters, as its record says; a
-/// prefix without a record keeps string keys. A value that cannot be read is
-/// an error, never a guess.
-pub async fn read_packing(store: &Shared, base: &str, k: u64) -> Result<Packing, RedisError> {
+/// How generation `k` of `base` keeps its counters, as its record says
+/// (string keys when it names no packing); `None` while the prefix has no
+/// record, when nothing has been written under it yet. A value that cannot be
+/// read is an error, never a guess.
+pub async fn packing_if_recorded(
+    store: &Shared,
+    base: &str,
+    k: u64,
+) -> Result<Option<Packing>, RedisError> {
     let key = record_key(base);
     let field = packing_field(k);
-    let value: Option<String> = store
+    let (format, value): (Option<String>, Option<String>) = store
         .call(|mut s| {
             let (key, field) = (key.clone(), field.clone());
             async move {
-                redis::cmd("HGET")
+                redis::cmd("HMGET")
                     .arg(key)
+                    .arg("format")
                     .arg(field)
                     .query_async(&mut s)
                     .await
             }
         })
         .await?;
-    match value {
-        None => Ok(Packing::Strings),
-        Some(text) => text
-            .parse()
-            .map_err(|e: crate::domain::packing::BadPacking| {
-                RedisError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "layout record",
-                    format!("{key} field {field}: {e}"),
-                ))
-            }),
+    let unreadable = |e: crate::domain::packing::BadPacking| {
+        RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "layout record",
+            format!("{key} field {field}: {e}"),
+        ))
+    };
+    match (format, value) {
+        (None, _) => Ok(None),
+        (Some(_), None) => Ok(Some(Packing::Strings)),
+        (Some(_), Some(text)) => text.parse().map(Some).map_err(unreadable),
     }
+}
+
+/// How generation `k` of `base` keeps its counters, as its record says; a
+/// prefix without a record keeps string keys.
+pub async fn read_packing(store: &Shared, base: &str, k: u64) -> Result<Packing, RedisError> {
+    Ok(packing_if_recorded(store, base, k)
+        .await?
+        .unwrap_or_default())
 }
 
 /// The key layout of generation `k` under `base` (the base layout), with
