@@ -231,12 +231,13 @@ async fn seed(redis_url: &str, config: &BenchReadsConfig) -> Result<Seeded> {
     let settings = crate::local::store(redis_url, PREFIX)?;
     let opened = layout::open(&settings).await?;
     let proposed = Record {
-        format: layout::FORMAT,
+        format: layout::STRINGS_FORMAT,
         buckets: config.buckets,
         slot_groups: layout::slot_groups(&settings).count(),
         topic: "likes".into(),
         group: "tally-bench-reads".into(),
         created_at_ms: tally::domain::versions::wall_ms(),
+        packed: Default::default(),
     };
     let (record, _) = layout::ensure_record(&opened.store, PREFIX, &proposed).await?;
     let mut truth = FxHashMap::default();

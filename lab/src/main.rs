@@ -14,6 +14,7 @@
 //!               `tally-lab bench-baseline` children
 //! bench_reads   `tally serve` under wrk, against direct MGETs of the same keys
 //! bench_writes  what one counter write costs Redis: in apply.lua, in a transaction, pipelined
+//! bench_memory  what a counter costs Redis in memory and CPU per write, as a string or packed
 //! local         the private Apache Kafka node and redis-server the demo and the benchmarks start
 //! binaries      the `tally` binary and this one, as child processes with no TALLY_* inherited
 //! markdown      the reports' blocks in docs/benchmarks.md: command line, machine, date
@@ -30,6 +31,7 @@ use tracing_subscriber::EnvFilter;
 use binaries::Tally;
 
 mod bench;
+mod bench_memory;
 mod bench_reads;
 mod bench_writes;
 mod binaries;
@@ -62,6 +64,8 @@ enum Command {
     BenchReads(Box<bench_reads::BenchReadsConfig>),
     /// Measure what one counter write costs Redis: in apply.lua, in a transaction, pipelined.
     BenchWrites(Box<bench_writes::BenchWritesConfig>),
+    /// Measure what a counter costs Redis in memory and CPU per write, as strings and packed in hashes.
+    BenchMemory(Box<bench_memory::BenchMemoryConfig>),
     /// One baseline consumer of `tally-lab bench`, run as its child process.
     #[command(hide = true)]
     BenchBaseline(Box<bench::BaselineArgs>),
@@ -108,6 +112,7 @@ async fn dispatch(command: Command, tally_bin: Option<PathBuf>) -> anyhow::Resul
             bench_reads::bench_reads(*config, Tally::locate(tally_bin)?).await
         }
         Command::BenchWrites(config) => bench_writes::bench_writes(*config).await,
+        Command::BenchMemory(config) => bench_memory::bench_memory(*config).await,
         Command::BenchBaseline(args) => bench::baseline(*args).await,
     }
 }

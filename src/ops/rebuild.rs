@@ -83,7 +83,7 @@ use crate::infra::store::{Shared, Target};
 use crate::ops::{OpError, gc, open_applier};
 use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::check_topic;
-use crate::pipeline::run::{Mode, RunError, run_with};
+use crate::pipeline::run::{Mode, RunError, run_with, writer_layout};
 
 /// How long the cut-over may hold the live pipelines, beyond the refresh
 /// period, before the freeze is lifted and catching up goes on.
@@ -426,24 +426,29 @@ async fn prepare(
     let (record, began) = begin(store, prefix, current).await?;
     let k = record.generation;
     let wanted = Wanted::from_settings(&settings.packing);
-    let layout_record = layout::read_record(store, prefix).await?;
-    match (&layout_record, began) {
-        (Some(stored), true) => {
-            let packing = match wanted {
-                Some(wanted) => wanted.packing(opened.keys.groups().count()),
-                None => stored.packing_of(current),
+    // A store that lost everything (FLUSHALL) has no record: the one the
+    // recount writes is made first, its generation 0 of string keys (it
+    // holds nothing), so that generation k's layout can be recorded in it.
+    let stored = match layout::read_record(store, prefix).await? {
+        Some(stored) => stored,
+        None => {
+            let writer = layout::WriterLayout {
+                packing: None,
+                ..writer_layout(settings)
             };
-            layout::record_packing(store, prefix, stored, k, packing).await?;
+            let proposed = layout::Record::of_writer(&writer, wall_ms());
+            layout::ensure_record(store, prefix, &proposed).await?.0
         }
-        (Some(stored), false) => {
-            layout::check_packing(prefix, wanted.as_ref(), &stored.packing_of(k))
-                .map_err(layout::LayoutError::from)?;
-        }
-        (None, _) => {
-            return Err(OpError::Refused(format!(
-                "prefix {prefix} has no layout record: nothing has been counted under it, so there is nothing to rebuild (start `tally run` first)"
-            )));
-        }
+    };
+    if began {
+        let packing = match wanted {
+            Some(wanted) => wanted.packing(opened.keys.groups().count()),
+            None => stored.packing_of(current),
+        };
+        layout::record_packing(store, prefix, &stored, k, packing).await?;
+    } else {
+        layout::check_packing(prefix, wanted.as_ref(), &stored.packing_of(k))
+            .map_err(layout::LayoutError::from)?;
     }
     if !record.copied {
         let old = opened

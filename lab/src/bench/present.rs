@@ -11,7 +11,7 @@
 use anyhow::Result;
 use rustc_hash::FxHashMap;
 
-use tally::domain::layout::{FORMAT, Record, ensure_record, open};
+use tally::domain::layout::{Record, STRINGS_FORMAT, ensure_record, open};
 use tally::domain::routing::{CounterId, KeyLayout};
 use tally::infra::config::StoreSettings;
 
@@ -71,12 +71,13 @@ pub(super) async fn write_record(
 ) -> Result<()> {
     let opened = open(store).await?;
     let proposed = Record {
-        format: FORMAT,
+        format: STRINGS_FORMAT,
         buckets,
         slot_groups: 1,
         topic: topic.to_string(),
         group: group.to_string(),
         created_at_ms: tally::domain::versions::wall_ms(),
+        packed: Default::default(),
     };
     ensure_record(&opened.store, store.prefix(), &proposed).await?;
     Ok(())
