@@ -690,3 +690,67 @@ fn on_a_cluster_every_command_needs_its_rule_and_the_cluster_addition() {
         },
     );
 }
+
+/// What the packed layout adds to the rules of the commands that write counters, from `tally
+/// docs acl`.
+fn published_packed_addition() -> Vec<String> {
+    let out = tally_cli(&["docs", "acl"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    let added: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("run and rebuild with --layout packed"))
+        .map(|l| {
+            let cell = l.split("` |").next().unwrap();
+            cell.trim_start_matches("| `+").replace("\\|", "|")
+        })
+        .collect();
+    assert!(!added.is_empty(), "no packed addition published:\n{text}");
+    added
+}
+
+/// `tally run --layout packed` counts every event under `run`'s rule and the packed addition,
+/// and without any one permission of the addition stops with an error that names it, having
+/// counted nothing.
+#[test]
+fn the_packed_layout_needs_its_addition() {
+    let (mut lab, mut ctx) = setup(Store::Single(RedisServer::start()));
+    ctx.extra.extend(owned(&["--layout", "packed"]));
+    let rules = published_rules();
+    let added = published_packed_addition();
+    let rule = |without: Option<&str>| -> Vec<String> {
+        let mut rule: Vec<String> = rules["run"].all.clone();
+        for p in &added {
+            if !rule.contains(p) {
+                rule.push(p.clone());
+            }
+        }
+        rule.retain(|p| Some(p.as_str()) != without);
+        rule.iter().map(|p| format!("+{p}")).collect()
+    };
+    for permission in &added {
+        let on = format!("{}-without-{}", ctx.run.prefix, permission);
+        let rule = rule(Some(permission));
+        let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+        let url = lab.user(&on, &rule);
+        match count_everything(&ctx, &url, &on) {
+            Err(said) => assert!(
+                said.contains(&format!("'{permission}'")),
+                "tally run --layout packed without +{permission} failed without naming it:\n{said}"
+            ),
+            Ok(said) => panic!("tally run --layout packed worked without +{permission}:\n{said}"),
+        }
+        assert!(
+            lab.counts(&on).values().all(|&c| c == 0),
+            "counted without +{permission}"
+        );
+        eprintln!("[e2e_redis_acl] tally run --layout packed refused without +{permission}");
+    }
+    let prefix = ctx.run.prefix.clone();
+    let rule = rule(None);
+    let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+    let url = lab.user(&prefix, &rule);
+    count_everything(&ctx, &url, &prefix).expect("tally run --layout packed under its rule");
+    let hashes = scan_keys(&mut lab.admins[0], &format!("{prefix}:packed:*"));
+    assert!(!hashes.is_empty(), "nothing packed under {prefix}");
+    assert_exact(&mut lab, &prefix, &ctx.truth());
+}

@@ -527,8 +527,8 @@ static PACKED_FILL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// The server's limit of fields in a compact hash (0: not known).
 static PACKED_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Records the fullest hash one packed script left (per script, not per
-/// event); the gauge keeps the most seen. `true` when this is a new most
+/// Records the fields of the hash one packed script sampled (one per
+/// script, not per event); the gauge keeps the most seen. `true` when this is a new most
 /// and above the server's limit: a hash has left the compact encoding.
 pub fn packed_fill(fields: u64) -> bool {
     use std::sync::atomic::Ordering::Relaxed;

@@ -9,7 +9,9 @@
 -- ARGV[4..]     for each of KEYS[2..] in order: m, then m pairs (field, delta)
 --
 -- Returns {code, fence, fill}; fence is the fence found before the call, fill
--- the most fields any hash written holds after it (0 when nothing was written).
+-- the fields of one hash it wrote, after it (0 when nothing was written): the
+-- hash picked by the range's last offset, so that successive calls sample
+-- different hashes for one HLEN each (every hash of a generation fills alike).
 --   0 applied: every delta added, fence set to last
 --   1 duplicate: fence >= last; nothing written
 --   2 straddle: start <= fence < last; nothing written
@@ -82,7 +84,6 @@ local function undo(upto, p)
   end
 end
 
-local fill = 0
 local at = 4
 for k = 2, #keys do
   local key = keys[k]
@@ -95,11 +96,11 @@ for k = 2, #keys do
       return {4, fence, k, added.err, field}
     end
   end
-  local n = redis.call('HLEN', key)
-  if n > fill then
-    fill = n
-  end
   at = at + 1 + 2 * m
+end
+local fill = 0
+if #keys > 1 then
+  fill = redis.call('HLEN', keys[2 + last % (#keys - 1)])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence, fill}

@@ -107,6 +107,14 @@ pub const RULES: &[Rule] = &[
 /// the slot map.
 pub const CLUSTER: &[&str] = &["cluster|slots"];
 
+/// What the packed layout adds to the rules of the commands that write
+/// counters: its apply script adds with HINCRBY, undoes with HDEL and
+/// reports the fullest hash with HLEN.
+pub const PACKED: &[&str] = &["hincrby", "hdel", "hlen"];
+
+/// The commands whose rules [`PACKED`] adds to.
+pub const PACKED_WRITERS: &[&str] = &["run", "rebuild"];
+
 /// What each permission is for.
 const USES: &[(&str, &str)] = &[
     (
@@ -144,7 +152,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hdel",
-        "the mark of an unfreeze under way in the routing registry, once it finishes",
+        "the mark of an unfreeze under way in the routing registry, once it finishes; a packed counter the apply script's undo brings back to 0 (packed layout)",
     ),
     (
         "hsetnx",
@@ -152,7 +160,11 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hincrby",
-        "hot-post windows; a post's next routing version (refused, `run` promotes no hot post)",
+        "hot-post windows; a post's next routing version (refused, `run` promotes no hot post); packed counters, in the apply script (packed layout: refused, nothing is written)",
+    ),
+    (
+        "hlen",
+        "the fullest packed hash an apply script wrote (packed layout)",
     ),
     (
         "expire",
@@ -226,11 +238,18 @@ pub fn table() -> String {
             .filter(|r| r.needs.contains(&permission) || r.warns.contains(&permission))
             .map(|r| r.command)
             .collect();
-        let users = if CLUSTER.contains(&permission) {
+        let mut users = if CLUSTER.contains(&permission) {
             "all, on a cluster".to_string()
         } else {
             users.join(", ")
         };
+        if PACKED.contains(&permission) {
+            let packed = format!("{} with --layout packed", PACKED_WRITERS.join(" and "));
+            users = match users.is_empty() {
+                true => packed,
+                false => format!("{users}; {packed}"),
+            };
+        }
         let _ = writeln!(out, "| `+{}` | {users} | {what} |", cell(permission));
     }
     out
@@ -243,7 +262,13 @@ mod tests {
     #[test]
     fn every_permission_is_explained_once() {
         for rule in RULES {
-            for permission in rule.needs.iter().chain(rule.warns).chain(CLUSTER) {
+            for permission in rule
+                .needs
+                .iter()
+                .chain(rule.warns)
+                .chain(CLUSTER)
+                .chain(PACKED)
+            {
                 let explained = USES.iter().filter(|(p, _)| p == permission).count();
                 assert_eq!(explained, 1, "+{permission} of `tally {}`", rule.command);
             }
@@ -253,7 +278,7 @@ mod tests {
                 .iter()
                 .any(|r| r.needs.contains(permission) || r.warns.contains(permission));
             assert!(
-                used || CLUSTER.contains(permission),
+                used || CLUSTER.contains(permission) || PACKED.contains(permission),
                 "+{permission} is unused"
             );
         }

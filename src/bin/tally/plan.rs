@@ -142,15 +142,15 @@ pub struct PlanArgs {
     #[arg(long, requires = "counters")]
     pub memory_budget_gb: Option<f64>,
     /// Redis memory one counter kept as a string key costs (bytes; measured with 10M random
-    /// post ids in docs/benchmarks.md).
+    /// post ids on redis-server 7.0.15 in docs/benchmarks.md; 72.2 on Valkey).
     #[arg(long, default_value_t = MEASURED_STRING_BYTES)]
     pub string_bytes: f64,
     /// Redis memory one counter kept packed costs, at the default fields per hash (bytes;
-    /// measured beside --string-bytes).
+    /// measured beside --string-bytes; 13.1 on Valkey).
     #[arg(long, default_value_t = MEASURED_PACKED_BYTES)]
     pub packed_bytes: f64,
     /// Redis CPU of one packed counter write over one string key write (measured beside
-    /// --string-bytes).
+    /// --string-bytes on Redis; 3.95 on Valkey, whose scripted HINCRBY costs more).
     #[arg(long, default_value_t = MEASURED_PACKED_CPU_RATIO)]
     pub packed_cpu_ratio: f64,
     /// Take the slot map of the live server or cluster --redis names

@@ -404,5 +404,15 @@ mod tests {
             doc.contains(section),
             "docs/sizing.md is stale for the dedupe window:\n{section}"
         );
+        // So does the layouts example.
+        let table = super::super::table::render(&plan_of(
+            "--peak-events 120000 --hot-events 14000 --counters 1000000000 --memory-budget-gb 64",
+        ));
+        let at = table.find("Counters (").expect("a counters section");
+        let section = &table[at..table.find("\nWarnings").expect("warnings")];
+        assert!(
+            doc.contains(section),
+            "docs/sizing.md is stale for the layouts:\n{section}"
+        );
     }
 }
