@@ -562,7 +562,8 @@ pub async fn adopt_format(store: &Shared, base: &str, record: &Record) -> Result
 /// Records that generation `k` of `base` keeps its counters as `packing`,
 /// raising the record's format to what that needs, before the first of them
 /// is written; `record` is the record as read. A generation of string keys
-/// has no field (one left by an aborted rebuild of the same number goes).
+/// needs no field; one left by an aborted rebuild of the same number is set
+/// to `strings` (HSET, which every writer's ACL holds).
 pub async fn record_packing(
     store: &Shared,
     base: &str,
@@ -573,19 +574,21 @@ pub async fn record_packing(
     let key = record_key(base);
     let field = packing_field(k);
     if packing == Packing::Strings {
-        store
+        let stale: Option<String> = store
             .call(|mut s| {
                 let (key, field) = (key.clone(), field.clone());
                 async move {
-                    redis::cmd("HDEL")
+                    redis::cmd("HGET")
                         .arg(key)
                         .arg(field)
-                        .query_async::<()>(&mut s)
+                        .query_async(&mut s)
                         .await
                 }
             })
             .await?;
-        return Ok(());
+        if stale.is_none_or(|v| v == "strings") {
+            return Ok(());
+        }
     }
     raise_format(store, base, record, FORMAT).await?;
     store
