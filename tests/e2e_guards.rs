@@ -38,20 +38,39 @@ fn count_all(run: &Scenario, conn: &mut redis::Connection, args: &[String], even
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
 }
 
-/// Every key under `prefix` with its value (or its type, for a key that is not a string).
+/// Every key under `prefix` with its value: a string's value, a hash's fields and values in
+/// order, or the type of any other key.
 fn snapshot(conn: &mut redis::Connection, prefix: &str) -> HashMap<String, String> {
     scan_keys(conn, &format!("{prefix}:*"))
         .into_iter()
         .map(|key| {
             let kind: String = redis::cmd("TYPE").arg(&key).query(conn).unwrap();
-            let value = if kind == "string" {
-                redis::cmd("GET").arg(&key).query(conn).unwrap()
-            } else {
-                kind
+            let value = match kind.as_str() {
+                "string" => redis::cmd("GET").arg(&key).query(conn).unwrap(),
+                "hash" => {
+                    let mut fields: Vec<(String, String)> =
+                        redis::cmd("HGETALL").arg(&key).query(conn).unwrap();
+                    fields.sort();
+                    format!("{fields:?}")
+                }
+                _ => kind,
             };
             (key, value)
         })
         .collect()
+}
+
+/// `commands.0` on a string counter key, `commands.1` on a packed counter's hash and field.
+fn on_place(place: &tally::domain::routing::Place, commands: (&str, &str)) -> redis::Cmd {
+    let mut cmd = match &place.field {
+        None => redis::cmd(commands.0),
+        Some(_) => redis::cmd(commands.1),
+    };
+    cmd.arg(&place.key);
+    if let Some(field) = &place.field {
+        cmd.arg(field);
+    }
+    cmd
 }
 
 fn merged(a: &HashMap<u64, i64>, b: &HashMap<u64, i64>) -> HashMap<u64, i64> {
@@ -87,9 +106,12 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
     let lone_user = run.seed | 1;
     let bucket =
         tally::domain::routing::bucket_of(lone_user, tally::infra::config::DEFAULT_BUCKETS);
-    let broken = format!("{}:likes:{lone_post}:{bucket}", run.prefix);
-    let _: () = redis::cmd("SET")
-        .arg(&broken)
+    // Its string key, or its field when the prefix is packed.
+    let keys = tally::domain::routing::KeyLayout::new(&run.prefix)
+        .with_packing(test_packing().unwrap_or_default());
+    let place = keys.place_of(tally::domain::routing::CounterId::v0(lone_post, bucket));
+    let broken = place.shown();
+    let _: () = on_place(&place, ("SET", "HSET"))
         .arg("x")
         .query(&mut conn)
         .unwrap();
@@ -115,7 +137,7 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
         }
         last = Some(now);
     }
-    let _: () = redis::cmd("DEL").arg(&broken).query(&mut conn).unwrap();
+    let _: () = on_place(&place, ("DEL", "HDEL")).query(&mut conn).unwrap();
     let total = first.events.len() + 1 + second.events.len();
     count_all(&run, &mut conn, &args, total);
     let mut truth = merged(&first.truth, &second.truth);

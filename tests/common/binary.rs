@@ -70,11 +70,33 @@ pub fn tally_args(
 /// `--layout packed` (sized small, so that a test's few thousand posts fill several hashes)
 /// when `TALLY_TEST_LAYOUT=packed`; nothing otherwise. Any other value stops the test.
 pub fn test_layout() -> Vec<String> {
+    match test_packing() {
+        None => Vec::new(),
+        Some(_) => [
+            "--layout",
+            "packed",
+            "--packed-counters",
+            &TEST_PACKED_COUNTERS.to_string(),
+        ]
+        .map(String::from)
+        .to_vec(),
+    }
+}
+
+/// The counters a test's packed prefix is sized for.
+const TEST_PACKED_COUNTERS: u64 = 20_000;
+
+/// The packing of a test's prefix on one server: `None` for string keys, or the hashes
+/// `TALLY_TEST_LAYOUT=packed` sizes (64 fields a hash, one slot group).
+pub fn test_packing() -> Option<tally::domain::packing::Packing> {
+    use tally::domain::packing::{DEFAULT_PACKED_FIELDS, Packed, Packing};
     match std::env::var("TALLY_TEST_LAYOUT").as_deref() {
-        Err(_) | Ok("") | Ok("strings") => Vec::new(),
-        Ok("packed") => ["--layout", "packed", "--packed-counters", "20000"]
-            .map(String::from)
-            .to_vec(),
+        Err(_) | Ok("") | Ok("strings") => None,
+        Ok("packed") => Some(Packing::Packed(Packed::sized(
+            TEST_PACKED_COUNTERS,
+            DEFAULT_PACKED_FIELDS,
+            1,
+        ))),
         Ok(other) => panic!("TALLY_TEST_LAYOUT={other}: expected strings or packed"),
     }
 }

@@ -168,6 +168,12 @@ impl Reader {
                     if self.take(&mut messages, received).await {
                         self.note_position();
                     }
+                    // librdkafka's queue is always ready while it holds
+                    // messages, and tokio cannot budget it: without a yield a
+                    // reader catching up (a re-read) would keep its worker
+                    // thread, and the main loop and the other readers queued
+                    // behind it would wait for its end.
+                    tokio::task::yield_now().await;
                 }
                 _ = idle.tick() => self.note_position(),
             }
