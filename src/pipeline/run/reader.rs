@@ -16,9 +16,11 @@
 //!   messages, so every message below it has been taken (see
 //!   `Pipeline::dispatch`, which sends the offsets up to it that held no
 //!   message);
-//! * a reader never waits for another partition: it holds only its own
-//!   partition's state, and stops taking when its batch is full until the
-//!   main loop has sent it.
+//! * a reader never waits for another partition, nor makes one wait: it
+//!   holds only its own partition's state, stops taking when its batch is
+//!   full until the main loop has sent it, and yields its thread after each
+//!   run of messages (a queue that always holds more would otherwise keep
+//!   the thread, and the main loop and the other readers behind it).
 //!
 //! Order per partition is the queue's; the main loop still dispatches,
 //! applies and commits every batch (see the parent module).
