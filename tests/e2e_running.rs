@@ -175,17 +175,18 @@ fn a_layout_record_of_a_newer_format_is_refused_and_the_older_one_raised() {
             ("created_at_ms", "1".to_string()),
         ]
     };
-    // Format 3: one past what this build knows.
+    // One past the newest format this build knows.
+    let newer = (tally::domain::layout::FORMAT + 1).to_string();
     let _: () = redis::cmd("HSET")
         .arg(&key)
-        .arg(&record("3"))
+        .arg(&record(&newer))
         .query(&mut conn)
         .unwrap();
     let args = run.tally_args(&redis.url());
     let line = error_line(&run_refused(&args));
     assert!(
         line.contains(&format!(
-            "layout record {key} has format 3, newer than this tally knows"
+            "layout record {key} has format {newer}, newer than this tally knows"
         )),
         "{line}"
     );
@@ -194,11 +195,11 @@ fn a_layout_record_of_a_newer_format_is_refused_and_the_older_one_raised() {
     let out = tally_with_env(&count, &[], Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(1), "{}", output_text(&out));
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("has format 3, newer than"),
+        String::from_utf8_lossy(&out.stderr).contains(&format!("has format {newer}, newer than")),
         "{}",
         output_text(&out)
     );
-    assert_eq!(hget(&mut conn, &key, "format").as_deref(), Some("3"));
+    assert_eq!(hget(&mut conn, &key, "format"), Some(newer.clone()));
 
     // Format 1 (before epochs) is read, and raised to 2 by a writer's start.
     let _: () = redis::cmd("HSET")
