@@ -6,7 +6,9 @@
 //! log, the prefix's layout record matches the settings (or is written on a
 //! first start, adopting data written without one), a store that lost
 //! everything under a group with committed offsets is refused unless the loss
-//! is accepted, and a dead-letter topic exists.
+//! is accepted, a server that would not keep a packed generation's hashes
+//! compact is refused before the record names that packing, and a
+//! dead-letter topic exists.
 
 use std::sync::Arc;
 
