@@ -150,7 +150,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = MEASURED_PACKED_BYTES)]
     pub packed_bytes: f64,
     /// Redis CPU of one packed counter write over one string key write (measured beside
-    /// --string-bytes on Redis; 3.95 on Valkey, whose scripted HINCRBY costs more).
+    /// --string-bytes on Redis; 3.26 on Valkey, whose scripted HINCRBY costs more).
     #[arg(long, default_value_t = MEASURED_PACKED_CPU_RATIO)]
     pub packed_cpu_ratio: f64,
     /// Take the slot map of the live server or cluster --redis names

@@ -257,7 +257,7 @@ pub struct RunArgs {
     /// How a new prefix keeps its counters (the first `tally run` writes it into the layout
     /// record; `tally rebuild --layout` moves a prefix to the other one): `strings`, a key
     /// per counter (INCRBY), or `packed`, fields of small hashes (HINCRBY): a fifth to a
-    /// seventh of the memory for about twice the Redis CPU per write, four times on Valkey
+    /// seventh of the memory for about twice the Redis CPU per write, three times on Valkey
     /// (docs/design.md). Unset: the prefix's, and strings on a new one.
     #[arg(long, env = "TALLY_LAYOUT", value_parser = layout_parser(), help_heading = REDIS)]
     pub layout: Option<LayoutName>,
