@@ -5,47 +5,18 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::RedisServer;
+use common::{RedisServer, applier, runtime, script};
 use proptest::prelude::*;
 use redis::Commands;
 use tally::domain::fence::{Decision, Reply, decide};
 use tally::domain::packing::{Packed, Packing};
 use tally::domain::routing::KeyLayout;
 use tally::pipeline::aggregate::CounterId;
-use tally::pipeline::apply::{Applier, ApplyError, Prepared};
-
-fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64)]) -> Prepared {
-    Prepared {
-        partition: 0,
-        group: 0,
-        start,
-        last,
-        absent_fence,
-        deltas: deltas
-            .iter()
-            .map(|&(post_id, bucket, d)| (CounterId::v0(post_id, bucket), d))
-            .collect(),
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
+use tally::pipeline::apply::{ApplyError, Prepared};
 
 /// A packed layout of `hashes` hashes under `prefix`.
 fn packed(prefix: &str, hashes: u32) -> KeyLayout {
     KeyLayout::new(prefix).with_packing(Packing::Packed(Packed { hashes, fields: 64 }))
-}
-
-fn applier(rt: &tokio::runtime::Runtime, url: &str, keys: KeyLayout) -> Applier {
-    let url = tally::infra::store::RedisUrl::parse(url).unwrap();
-    let store = rt
-        .block_on(tally::infra::store::Shared::open(&url))
-        .unwrap();
-    Applier::new(store, url.target().clone(), keys, "g", "likes")
 }
 
 /// Every field of every hash under `prefix`, read without the layout's

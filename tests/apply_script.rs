@@ -3,49 +3,12 @@
 
 mod common;
 
-use common::RedisServer;
+use common::{RedisServer, applier, runtime, script};
 use proptest::prelude::*;
 use redis::Commands;
 use tally::domain::fence::{Decision, Reply, decide};
 use tally::domain::routing::KeyLayout;
-use tally::pipeline::aggregate::CounterId;
-use tally::pipeline::apply::{Applier, Prepared};
-
-fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64)]) -> Prepared {
-    Prepared {
-        partition: 0,
-        group: 0,
-        start,
-        last,
-        absent_fence,
-        deltas: deltas
-            .iter()
-            .map(|&(post_id, bucket, d)| (CounterId::v0(post_id, bucket), d))
-            .collect(),
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// An applier of group "g"'s fences of topic "likes" under `prefix`.
-fn applier(rt: &tokio::runtime::Runtime, url: &str, prefix: &str) -> Applier {
-    let url = tally::infra::store::RedisUrl::parse(url).unwrap();
-    let store = rt
-        .block_on(tally::infra::store::Shared::open(&url))
-        .unwrap();
-    Applier::new(
-        store,
-        url.target().clone(),
-        KeyLayout::new(prefix),
-        "g",
-        "likes",
-    )
-}
+use tally::pipeline::apply::Prepared;
 
 fn reply(decision: Decision, fence: i64) -> Reply {
     Reply { decision, fence }
@@ -55,7 +18,7 @@ fn reply(decision: Decision, fence: i64) -> Reply {
 fn apply_duplicate_straddle_and_gap() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "t");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("t"));
     let mut conn = redis.conn();
     let apply = |p: &Prepared| rt.block_on(applier.apply_once(p)).unwrap().unwrap();
     let count = |conn: &mut redis::Connection, post: u64, bucket: u32| -> i64 {
@@ -134,7 +97,7 @@ fn apply_duplicate_straddle_and_gap() {
 fn a_refused_key_writes_nothing() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "r");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("r"));
     let mut conn = redis.conn();
     let _: () = conn.set("r:likes:3:0", 10).unwrap();
     let _: () = conn.set("r:likes:3:1", "x").unwrap();
@@ -187,7 +150,7 @@ fn a_refused_key_writes_nothing() {
 fn a_refusal_inside_a_run_restores_every_run_before_it() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "u");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("u"));
     let mut conn = redis.conn();
     // Runs, in the order batches close (by delta): -1 x 20, then 1 x 40, then 2 x 20.
     let mut deltas: Vec<(u64, u32, i64)> = (0..20).map(|p| (p, 0, -1)).collect();
@@ -252,7 +215,7 @@ fn runs_that_do_not_cover_the_keys_are_refused() {
 fn odd_values_end_as_incrby_ends_them() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "q");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("q"));
     let mut conn = redis.conn();
     let odd = [
         "007",
@@ -314,7 +277,7 @@ fn odd_values_end_as_incrby_ends_them() {
 fn a_batch_of_many_counters_is_applied_whole() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "m");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("m"));
     let mut conn = redis.conn();
     let deltas: Vec<(u64, u32, i64)> = (0..9_001u64).map(|p| (p, 0, p as i64 - 4_500)).collect();
     for round in 0..2 {
@@ -332,7 +295,7 @@ fn a_batch_of_many_counters_is_applied_whole() {
 fn script_is_reloaded_after_script_flush() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "f");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("f"));
     let mut conn = redis.conn();
     let first = script(0, 0, -1, &[(7, 0, 1)]);
     assert_eq!(
@@ -359,7 +322,7 @@ fn script_is_reloaded_after_script_flush() {
 fn origin_is_set_once() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "o");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("o"));
     assert_eq!(rt.block_on(applier.ensure_origin(2, 40)).unwrap(), 40);
     assert_eq!(rt.block_on(applier.ensure_origin(2, 7)).unwrap(), 40);
     let fences = rt.block_on(applier.read_fences(2)).unwrap();
@@ -371,7 +334,7 @@ fn origin_is_set_once() {
 fn lua_agrees_with_the_decision_table() {
     let redis = RedisServer::start();
     let rt = runtime();
-    let applier = applier(&rt, &redis.url(), "m");
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("m"));
     let conn = std::cell::RefCell::new(redis.conn());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
     let cases = (proptest::option::of(0i64..40), 0i64..40, 0i64..20, -1i64..5);

@@ -134,16 +134,6 @@ fn assert_windows_slide(hwms: &[i64]) {
     );
 }
 
-/// The generation readers sum (`<prefix>:generation`'s `current`; 0 before any rebuild).
-fn current_generation(conn: &mut redis::Connection, prefix: &str) -> u64 {
-    let current: Option<u64> = redis::cmd("HGET")
-        .arg(format!("{prefix}:generation"))
-        .arg("current")
-        .query(conn)
-        .unwrap();
-    current.unwrap_or(0)
-}
-
 /// Every tap carries a fresh event id of its own, as most mobile clients send them: to the id
 /// rule the two copies of a double tap are two events, and only the action rule can tell the
 /// second repeats the first. Three consumers are SIGKILLed while batches land, so new owners

@@ -15,15 +15,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn pointer(conn: &mut redis::Connection, prefix: &str) -> u64 {
-    let current: Option<u64> = redis::cmd("HGET")
-        .arg(format!("{prefix}:generation"))
-        .arg("current")
-        .query(conn)
-        .unwrap();
-    current.unwrap_or(0)
-}
-
 /// `tally_args` without a layout of the environment's: these tests name their own.
 fn args(run: &Scenario, url: &str, extra: &[&str]) -> Vec<String> {
     let mut args = run.tally_args(url);
@@ -85,7 +76,7 @@ fn rebuild_moves_a_live_prefix_to_packed_and_back_exactly() {
     ]
     .concat();
     let to_packed = rebuild(&args(&run, &url, &packed), "to-packed");
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_eq!(current_generation(&mut conn, &run.prefix), 1);
     let g1 = format!("{}:g1", run.prefix);
     assert!(
         to_packed.log_text().contains("Generation layout recorded."),
@@ -167,7 +158,7 @@ fn rebuild_moves_a_live_prefix_to_packed_and_back_exactly() {
     // And back to a string key per counter.
     let back = [&tuning[..], &["--layout", "strings"]].concat();
     rebuild(&args(&run, &url, &back), "to-strings");
-    assert_eq!(pointer(&mut conn, &run.prefix), 2);
+    assert_eq!(current_generation(&mut conn, &run.prefix), 2);
     let g2 = format!("{}:g2", run.prefix);
     let (strings, hashes) = kinds(&mut conn, &g2);
     assert!(strings > 0 && hashes == 0, "g2: {strings} {hashes}");

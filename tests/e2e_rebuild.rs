@@ -25,15 +25,6 @@ use common::*;
 const HOT: u64 = 424_242_424;
 const HOT_PER_ROUND: usize = 20;
 
-fn pointer(conn: &mut redis::Connection, prefix: &str) -> u64 {
-    let current: Option<u64> = redis::cmd("HGET")
-        .arg(format!("{prefix}:generation"))
-        .arg("current")
-        .query(conn)
-        .unwrap();
-    current.unwrap_or(0)
-}
-
 /// Waits for a spawned command to exit and returns whether it succeeded.
 fn wait_exit(tally: &mut Tally, timeout: Duration) -> bool {
     let status = wait_for("the command to exit", timeout, || tally.try_status());
@@ -49,7 +40,7 @@ fn rebuild_into_g1(conn: &mut redis::Connection, prefix: &str, args: &[&str]) ->
         "rebuild failed:\n{}",
         rebuild.log_tail(40)
     );
-    assert_eq!(pointer(conn, prefix), 1);
+    assert_eq!(current_generation(conn, prefix), 1);
     (rebuild, format!("{prefix}:g1"))
 }
 
@@ -144,7 +135,7 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
             let (rt, reader) = library::reader(&url, &prefix, 1, 4, Duration::ZERO);
             let mut last = i64::MIN;
             while !stop.load(Ordering::SeqCst) {
-                let generation = pointer(&mut conn, &prefix);
+                let generation = current_generation(&mut conn, &prefix);
                 let likes = rt.block_on(reader.count(HOT)).expect("reader count").likes;
                 assert!(
                     likes >= last,
@@ -192,7 +183,7 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         started.elapsed().as_secs_f64()
     );
     assert_eq!(
-        pointer(&mut conn, &run.prefix),
+        current_generation(&mut conn, &run.prefix),
         0,
         "killed before the switch"
     );
@@ -209,7 +200,7 @@ fn rebuild_under_live_traffic_switches_without_gap_or_going_back() {
         "the resumed rebuild failed:\n{}",
         second.log_tail(40)
     );
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_eq!(current_generation(&mut conn, &run.prefix), 1);
     let second_log = second.log_text();
     assert!(
         second_log.contains("Resuming the unfinished rebuild"),
@@ -427,7 +418,7 @@ fn flushall_then_rebuild_restores_every_count() {
         .query(&mut conn)
         .unwrap();
     assert!(!record);
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_eq!(current_generation(&mut conn, &run.prefix), 1);
     assert_counts_eq(&read_counts(&mut conn, &g1), &workload.truth);
 
     // `tally run` starts in generation 1 and carries on from its fences.
@@ -587,7 +578,7 @@ fn rebuild_from_timestamp_counts_only_the_events_stamped_after_it() {
         "rebuild failed:\n{}",
         rebuild.log_tail(40)
     );
-    assert_eq!(pointer(&mut conn, &run.prefix), 1);
+    assert_eq!(current_generation(&mut conn, &run.prefix), 1);
     let g1 = format!("{}:g1", run.prefix);
     assert_counts_eq(&read_counts(&mut conn, &g1), &later);
     eprintln!("[e2e_rebuild] progress scraped (recounted, left, phase): {progress:?}");

@@ -614,20 +614,29 @@ fn a_user_limited_to_the_prefix_runs_every_command() {
     assert!(log.is_empty(), "Redis refused tally something: {log:?}");
 }
 
-/// What a cluster adds to every rule, from `tally docs acl`.
-fn published_cluster_addition() -> Vec<String> {
+/// The permissions `tally docs acl` publishes for those who use them as `users` says (the
+/// table's second column holds it).
+fn published_addition(users: &str) -> Vec<String> {
     let out = tally_cli(&["docs", "acl"]);
     let text = String::from_utf8(out.stdout).unwrap();
     let added: Vec<String> = text
         .lines()
-        .filter(|l| l.contains("| all, on a cluster |"))
+        .filter(|l| l.contains(users))
         .map(|l| {
             let cell = l.split("` |").next().unwrap();
             cell.trim_start_matches("| `+").replace("\\|", "|")
         })
         .collect();
-    assert!(!added.is_empty(), "no cluster addition published:\n{text}");
+    assert!(
+        !added.is_empty(),
+        "no addition for {users:?} published:\n{text}"
+    );
     added
+}
+
+/// What a cluster adds to every rule, from `tally docs acl`.
+fn published_cluster_addition() -> Vec<String> {
+    published_addition("| all, on a cluster |")
 }
 
 #[test]
@@ -694,18 +703,7 @@ fn on_a_cluster_every_command_needs_its_rule_and_the_cluster_addition() {
 /// What the packed layout adds to the rules of the commands that write counters, from `tally
 /// docs acl`.
 fn published_packed_addition() -> Vec<String> {
-    let out = tally_cli(&["docs", "acl"]);
-    let text = String::from_utf8(out.stdout).unwrap();
-    let added: Vec<String> = text
-        .lines()
-        .filter(|l| l.contains("run and rebuild with --layout packed"))
-        .map(|l| {
-            let cell = l.split("` |").next().unwrap();
-            cell.trim_start_matches("| `+").replace("\\|", "|")
-        })
-        .collect();
-    assert!(!added.is_empty(), "no packed addition published:\n{text}");
-    added
+    published_addition("run and rebuild with --layout packed")
 }
 
 /// `tally run --layout packed` counts every event under `run`'s rule and the packed addition,

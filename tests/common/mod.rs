@@ -36,6 +36,7 @@
 // Each test binary uses a different part of the harness.
 #![allow(dead_code, unused_imports)]
 
+mod applying;
 mod binary;
 mod dupes;
 mod kafka;
@@ -55,6 +56,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
+pub use applying::*;
 pub use binary::*;
 pub use dupes::*;
 pub use kafka::*;

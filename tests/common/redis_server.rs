@@ -542,6 +542,16 @@ fn parse_counter_key(tail: &str) -> Option<u64> {
     }
 }
 
+/// The generation readers sum (`<prefix>:generation`'s `current`; 0 before any rebuild).
+pub fn current_generation(conn: &mut redis::Connection, prefix: &str) -> u64 {
+    let current: Option<u64> = redis::cmd("HGET")
+        .arg(format!("{prefix}:generation"))
+        .arg("current")
+        .query(conn)
+        .unwrap();
+    current.unwrap_or(0)
+}
+
 pub fn fence_key(prefix: &str, group: &str, topic: &str, partition: usize) -> String {
     format!("{prefix}:fence:{group}:{topic}:{partition}")
 }
