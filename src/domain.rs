@@ -14,3 +14,4 @@ pub mod proto;
 pub mod routing;
 pub mod slots;
 pub mod versions;
+pub mod windows;

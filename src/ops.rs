@@ -107,7 +107,10 @@ async fn open_applier(settings: &RunSettings) -> Result<(OpenStore, Applier, u32
                 ..writer
             };
             layout::check_writer(&opened, &writer, &record, 0).await?;
-            opened.keys = opened.keys.with_packing(record.packing_of(0));
+            opened.keys = opened
+                .keys
+                .with_packing(record.packing_of(0))
+                .with_windows(record.windows.clone());
             record.buckets
         }
         None => proposed.buckets,

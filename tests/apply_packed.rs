@@ -189,6 +189,7 @@ fn a_large_batch_lands_as_on_string_keys() {
         start: 0,
         last: 99,
         absent_fence: -1,
+        windows: Vec::new(),
         deltas: deltas.iter().map(|(&id, &d)| (id, d)).collect(),
     };
     rt.block_on(packed_applier.apply_once(&prepared))
@@ -233,7 +234,7 @@ fn arguments_that_do_not_cover_the_hashes_are_refused() {
             .arg(3)
             .arg("f")
             .arg(&["h:1", "h:2"][..])
-            .arg(&[0, 9, -1][..]);
+            .arg(&[0, 9, -1, 0][..]);
         cmd.arg(args);
         cmd
     };

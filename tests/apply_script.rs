@@ -192,7 +192,7 @@ fn runs_that_do_not_cover_the_keys_are_refused() {
             .arg(4)
             .arg("f")
             .arg(&["k:1", "k:2", "k:3"][..])
-            .arg(&[0, 9, -1][..]);
+            .arg(&[0, 9, -1, 0][..]);
         cmd.arg(runs);
         cmd
     };

@@ -119,14 +119,14 @@ fn encode(fields: &[Field]) -> Vec<u8> {
 /// 5 event_id is a string, so its bytes must be UTF-8; unknown fields are skipped; a known
 /// field with another wire type is undecodable.
 fn model(fields: &[Field]) -> Result<Like, BadReason> {
-    let (mut post, mut user, mut action) = (0u64, 0u64, 0i32);
+    let (mut post, mut user, mut action, mut time) = (0u64, 0u64, 0i32, 0i64);
     for f in fields {
         match (f.number, &f.value) {
             (1..=4, Value::Varint { value, .. }) => match f.number {
                 1 => post = *value,
                 2 => user = *value,
                 3 => action = *value as i32,
-                _ => {}
+                _ => time = *value as i64,
             },
             (1..=4, _) => return Err(BadReason::Undecodable),
             (5, Value::Bytes(b)) if std::str::from_utf8(b).is_ok() => {}
@@ -147,6 +147,7 @@ fn model(fields: &[Field]) -> Result<Like, BadReason> {
         post_id: post,
         user_id: user,
         delta,
+        event_time_ms: time,
     })
 }
 

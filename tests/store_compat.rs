@@ -151,7 +151,7 @@ fn acl_refusals_carry_what_tally_reads() {
             .arg(APPLY_LUA)
             .arg(2)
             .arg(&["t:fence", "t:likes:1:0"])
-            .arg(&["0", "5", "-1", "1", "1"])
+            .arg(&["0", "5", "-1", "0", "1", "1"])
             .query::<redis::Value>(&mut user),
     );
     assert_eq!(applied.code(), Some("NOPERM"), "{applied}");

@@ -82,6 +82,7 @@ fn prepared(batch: &ClosedBatch) -> Prepared {
         start: batch.start,
         last: batch.last,
         absent_fence: -1,
+        windows: Vec::new(),
         deltas: batch.deltas.clone(),
     }
 }

@@ -351,6 +351,7 @@ fn measure(
             start: 1,
             last: 100,
             absent_fence: 0,
+            windows: Vec::new(),
             deltas: drawn
                 .iter()
                 .map(|i| (CounterId::v0(posts[i], 0), 1))

@@ -238,6 +238,7 @@ async fn seed(redis_url: &str, config: &BenchReadsConfig) -> Result<Seeded> {
         group: "tally-bench-reads".into(),
         created_at_ms: tally::domain::versions::wall_ms(),
         packed: Default::default(),
+        windows: Default::default(),
     };
     let (record, _) = layout::ensure_record(&opened.store, PREFIX, &proposed).await?;
     let mut truth = FxHashMap::default();

@@ -222,6 +222,7 @@ fn run_settings(
         accept_lost_counts: false,
         schema_ids: Vec::new(),
         packing: Default::default(),
+        windows: None,
         dedupe: DedupeSettings {
             mode: DedupeMode::Off,
             span: DEFAULT_WINDOW,

@@ -55,6 +55,14 @@
 //! with a packed generation is written as format 3 (raised to it before the
 //! first packed key is written): a build of format 2 reads a prefix of
 //! string keys as well as ever, and refuses one it would find empty.
+//!
+//! Format 4 adds the windows of trending counts (see
+//! [`crate::domain::windows`]): `windows`, `window_lateness_ms` and
+//! `window_retention_ms`. Only a record with windows is written as format 4,
+//! when the prefix is made: a build of format 3 would count lifetime likes
+//! into it and leave its windows short, so it refuses the prefix instead.
+//! The windows of a prefix never change: a window added later would hold a
+//! part of its likes.
 
 pub mod adopt;
 
@@ -67,12 +75,15 @@ use crate::domain::packing::{Packing, Wanted};
 use crate::domain::routing::KeyLayout;
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{DEFAULT_FIELD, Defaults, read_defaults};
+use crate::domain::windows::{WindowSize, Windows};
 use crate::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
 /// The newest format of the record this build writes and reads.
-pub const FORMAT: u32 = 3;
+pub const FORMAT: u32 = 4;
+/// The format of a record with a packed generation and no windows.
+pub const PACKED_FORMAT: u32 = 3;
 /// The format of a record whose generations all keep string keys.
 pub const STRINGS_FORMAT: u32 = 2;
 /// The oldest format this build reads, and raises to [`FORMAT`].
@@ -152,7 +163,10 @@ pub async fn open_for_reading(settings: &StoreSettings) -> Result<(OpenStore, Re
     if settings.url().is_cluster() {
         opened.keys = KeyLayout::with_groups(base, SlotGroups::cluster(record.slot_groups));
     }
-    opened.keys = opened.keys.with_packing(record.packing_of(0));
+    opened.keys = opened
+        .keys
+        .with_packing(record.packing_of(0))
+        .with_windows(record.windows.clone());
     Ok((opened, record))
 }
 
@@ -178,6 +192,9 @@ pub struct WriterLayout {
     /// How a new prefix keeps its counters (`--layout`); `None` takes the
     /// record's.
     pub packing: Option<Wanted>,
+    /// The windows a new prefix keeps (`--windows`); `None` takes the
+    /// record's, and none on a new prefix.
+    pub windows: Option<Windows>,
 }
 
 /// How a prefix was written: what every writer must repeat.
@@ -198,6 +215,8 @@ pub struct Record {
     /// The generations that keep their counters packed; every other one
     /// keeps a string key per counter.
     pub packed: BTreeMap<u64, Packing>,
+    /// The windows of trending counts every generation keeps.
+    pub windows: Windows,
 }
 
 /// The record field holding generation `k`'s packing.
@@ -218,6 +237,7 @@ impl Record {
     pub fn generation_keys(&self, base: &KeyLayout, k: u64) -> KeyLayout {
         base.with_prefix(generation::prefix_of(base.prefix(), k))
             .with_packing(self.packing_of(k))
+            .with_windows(self.windows.clone())
     }
 
     /// The record `writer` would write on a new prefix at `created_at_ms`
@@ -231,14 +251,16 @@ impl Record {
             Packing::Strings => BTreeMap::new(),
             packed => BTreeMap::from([(0, packed)]),
         };
+        let windows = writer.windows.clone().unwrap_or_default();
         Record {
-            format: format_for(&packed),
+            format: format_for(&packed, &windows),
             buckets: writer.buckets.unwrap_or(DEFAULT_BUCKETS),
             slot_groups: writer.slot_groups,
             topic: writer.topic.clone(),
             group: writer.group.clone(),
             created_at_ms,
             packed,
+            windows,
         }
     }
 
@@ -259,6 +281,19 @@ impl Record {
                 .iter()
                 .map(|(&k, packing)| (packing_field(k), packing.to_string())),
         );
+        if !self.windows.is_empty() {
+            fields.extend([
+                ("windows".to_string(), self.windows.sizes_field()),
+                (
+                    "window_lateness_ms".to_string(),
+                    self.windows.lateness_ms.to_string(),
+                ),
+                (
+                    "window_retention_ms".to_string(),
+                    self.windows.retention_ms.to_string(),
+                ),
+            ]);
+        }
         fields
     }
 
@@ -330,10 +365,31 @@ impl Record {
                 packed.insert(k, packing);
             }
         }
-        if format < FORMAT && !packed.is_empty() {
+        if format < PACKED_FORMAT && !packed.is_empty() {
             return Err(damaged(
                 "it names a packed generation but its format is older than 3",
             ));
+        }
+        let windows = match fields.iter().find(|(f, _)| f == "windows") {
+            None => Windows::none(),
+            Some((_, sizes)) => {
+                let sizes: Vec<WindowSize> =
+                    Windows::parse_sizes(sizes).map_err(|e| damaged(&format!("windows: {e}")))?;
+                let rule = |name: &str| -> Result<u64, LayoutError> {
+                    number(name)?
+                        .try_into()
+                        .map_err(|_| damaged(&format!("field {name} is negative")))
+                };
+                Windows::new(
+                    sizes,
+                    rule("window_lateness_ms")?,
+                    rule("window_retention_ms")?,
+                )
+                .map_err(|e| damaged(&format!("windows: {e}")))?
+            }
+        };
+        if format < FORMAT && !windows.is_empty() {
+            return Err(damaged("it names windows but its format is older than 4"));
         }
         Ok(Record {
             format,
@@ -343,6 +399,7 @@ impl Record {
             group: get("group")?.to_string(),
             created_at_ms: number("created_at_ms")?,
             packed,
+            windows,
         })
     }
 }
@@ -530,23 +587,28 @@ pub async fn read_packing(store: &Shared, base: &str, k: u64) -> Result<Packing,
 }
 
 /// The key layout of generation `k` under `base` (the base layout), with
-/// the packing its record gives it.
+/// the packing and the windows its record gives it (string keys and no
+/// windows while the prefix has no record).
 pub async fn generation_keys(
     store: &Shared,
     base: &KeyLayout,
     k: u64,
-) -> Result<KeyLayout, RedisError> {
-    let packing = read_packing(store, base.prefix(), k).await?;
-    Ok(base
-        .with_prefix(generation::prefix_of(base.prefix(), k))
-        .with_packing(packing))
+) -> Result<KeyLayout, LayoutError> {
+    Ok(match read_record(store, base.prefix()).await? {
+        Some(record) => record.generation_keys(base, k),
+        None => base
+            .with_prefix(generation::prefix_of(base.prefix(), k))
+            .with_packing(Packing::Strings),
+    })
 }
 
-/// The format a record with these packed generations is written with.
-pub fn format_for(packed: &BTreeMap<u64, Packing>) -> u32 {
-    match packed.is_empty() {
-        true => STRINGS_FORMAT,
-        false => FORMAT,
+/// The format a record with these packed generations and windows is
+/// written with: the oldest whose builds read all of it.
+pub fn format_for(packed: &BTreeMap<u64, Packing>, windows: &Windows) -> u32 {
+    match (packed.is_empty(), windows.is_empty()) {
+        (_, false) => FORMAT,
+        (false, true) => PACKED_FORMAT,
+        (true, true) => STRINGS_FORMAT,
     }
 }
 
@@ -590,7 +652,7 @@ pub async fn record_packing(
             return Ok(());
         }
     }
-    raise_format(store, base, record, FORMAT).await?;
+    raise_format(store, base, record, PACKED_FORMAT).await?;
     store
         .call(|mut s| {
             let (key, field) = (key.clone(), field.clone());
@@ -711,7 +773,37 @@ pub async fn check_writer(
         writer.packing.as_ref(),
         &stored.packing_of(written),
     )?;
+    check_windows(
+        opened.keys.prefix(),
+        writer.windows.as_ref(),
+        &stored.windows,
+    )?;
     Ok(())
+}
+
+/// A writer that names windows (`--windows`, with its lateness and
+/// retention) must name the prefix's: a window added later would hold a part
+/// of its likes, and another lateness would judge the log differently.
+pub fn check_windows(base: &str, wanted: Option<&Windows>, now: &Windows) -> Result<(), Mismatch> {
+    let Some(wanted) = wanted.filter(|w| *w != now) else {
+        return Ok(());
+    };
+    let shown = |w: &Windows| match w.is_empty() {
+        true => "no windows".to_string(),
+        false => format!(
+            "{} (lateness {}, retention {})",
+            w.sizes_field(),
+            crate::domain::windows::Millis(w.lateness_ms),
+            crate::domain::windows::Millis(w.retention_ms)
+        ),
+    };
+    Err(Mismatch {
+        flag: "windows",
+        given: shown(wanted),
+        stored: shown(now),
+        key: record_key(base),
+        remedy: "run without --windows, --window-lateness and --window-retention to keep the prefix's; other windows are counted from the start of the log into a new --prefix under a new --group".to_string(),
+    })
 }
 
 /// A writer that names a layout (`--layout`) must name the one the current
@@ -826,6 +918,7 @@ mod tests {
             group: "tally".into(),
             created_at_ms: 1,
             packed: BTreeMap::new(),
+            windows: Windows::none(),
         }
     }
 
@@ -837,6 +930,7 @@ mod tests {
             topic: "likes".into(),
             group: "tally".into(),
             packing: None,
+            windows: None,
         };
         let proposed = Record::of_writer(&writer, 1);
         assert_eq!(
@@ -932,9 +1026,10 @@ mod tests {
                 counters: 1_000_000,
                 fields: 64,
             }),
+            windows: None,
         };
         let packed = Record::of_writer(&writer, 1);
-        assert_eq!(packed.format, FORMAT);
+        assert_eq!(packed.format, PACKED_FORMAT);
         let shape = Packing::Packed(Packed {
             hashes: 15_625,
             fields: 64,
@@ -1047,5 +1142,47 @@ mod tests {
             foreign.starts_with("t:layout is not a layout record (a hash without any field of a layout record): something other than tally writes under --prefix t; give tally a --prefix of its own"),
             "{foreign}"
         );
+    }
+
+    #[test]
+    fn windows_are_recorded_at_format_4_and_writers_must_name_them() {
+        let sizes = Windows::parse_sizes("1h,1d").unwrap();
+        let windows = Windows::new(sizes, 300_000, 86_400_000).unwrap();
+        let writer = WriterLayout {
+            buckets: None,
+            slot_groups: 1,
+            topic: "likes".into(),
+            group: "tally".into(),
+            packing: None,
+            windows: Some(windows.clone()),
+        };
+        let record = Record::of_writer(&writer, 1);
+        assert_eq!(record.format, FORMAT);
+        let read = Record::from_fields("t:layout", &record.fields()).unwrap();
+        assert_eq!(read.windows, windows);
+        let older: Vec<(String, String)> = record
+            .fields()
+            .into_iter()
+            .map(|(f, v)| match f.as_str() {
+                "format" => (f, PACKED_FORMAT.to_string()),
+                _ => (f, v),
+            })
+            .collect();
+        let damaged = Record::from_fields("t:layout", &older).unwrap_err();
+        assert!(damaged.to_string().contains("older than 4"), "{damaged}");
+        assert!(check_windows("t", None, &windows).is_ok());
+        assert!(check_windows("t", Some(&windows), &windows).is_ok());
+        let hourly =
+            Windows::new(Windows::parse_sizes("1h").unwrap(), 300_000, 86_400_000).unwrap();
+        let refused = check_windows("t", Some(&hourly), &windows).unwrap_err();
+        assert_eq!(refused.flag, "windows");
+        assert!(
+            refused
+                .to_string()
+                .contains("written with 1h,1d (lateness 5m, retention 1d)"),
+            "{refused}"
+        );
+        let none = check_windows("t", Some(&Windows::none()), &windows).unwrap_err();
+        assert!(none.to_string().contains("--windows no windows"), "{none}");
     }
 }

@@ -13,8 +13,11 @@ use std::fmt::Write as _;
 
 use xxhash_rust::xxh64::xxh64;
 
+use std::sync::Arc;
+
 use crate::domain::packing::Packing;
 use crate::domain::slots::SlotGroups;
+use crate::domain::windows::{WindowSize, Windows};
 
 /// Seed of the stable hash. Part of the public contract.
 pub const STABLE_HASH_SEED: u64 = 0;
@@ -114,11 +117,15 @@ impl CounterId {
 /// counters as fields of `<prefix>:packed:<n>[:{<tag>}]` instead, the field
 /// being the string key's tail after `likes:` with the post id written as a
 /// signed integer.
+///
+/// Windows of trending counts (see [`crate::domain::windows`]) are sorted
+/// sets `<prefix>:win:<size>:<start>[:{<tag>}]`.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
     prefix: String,
     groups: SlotGroups,
     packing: Packing,
+    windows: Arc<Windows>,
 }
 
 /// Where one counter is kept: a string key, or a field of a hash.
@@ -152,6 +159,7 @@ impl KeyLayout {
             prefix: prefix.into(),
             groups,
             packing: Packing::Strings,
+            windows: Arc::new(Windows::none()),
         }
     }
 
@@ -175,6 +183,50 @@ impl KeyLayout {
     /// How the counters are kept.
     pub fn packing(&self) -> &Packing {
         &self.packing
+    }
+
+    /// The same layout keeping `windows` too.
+    pub fn with_windows(&self, windows: Windows) -> Self {
+        Self {
+            windows: Arc::new(windows),
+            ..self.clone()
+        }
+    }
+
+    /// The windows of trending counts kept beside the counters.
+    pub fn windows(&self) -> &Windows {
+        &self.windows
+    }
+
+    /// Writes the key of the set of window `start` of `size` in slot group
+    /// `group` into `out`, replacing its contents.
+    pub fn write_window_key(&self, out: &mut String, size: WindowSize, start: i64, group: u32) {
+        out.clear();
+        let _ = write!(out, "{}:win:{size}:{start}", self.prefix);
+        self.write_tag(out, group);
+    }
+
+    /// The set of window `start` of `size` that holds `post_id`.
+    pub fn window_key(&self, size: WindowSize, start: i64, post_id: u64) -> String {
+        let mut key = String::new();
+        self.write_window_key(&mut key, size, start, self.groups.group_of(post_id, 0));
+        key
+    }
+
+    /// The sets of window `start` of `size`, one per slot group.
+    pub fn window_keys(&self, size: WindowSize, start: i64) -> Vec<String> {
+        (0..self.groups.count())
+            .map(|g| {
+                let mut key = String::new();
+                self.write_window_key(&mut key, size, start, g);
+                key
+            })
+            .collect()
+    }
+
+    /// The glob pattern matching every window set.
+    pub fn windows_pattern(&self) -> String {
+        format!("{}:win:*", self.prefix)
     }
 
     /// The key prefix.

@@ -107,6 +107,8 @@ pub const FENCE_AHEAD: &str = "tally_fence_ahead_partitions";
 /// Records skipped as repeats of a like (see [`crate::pipeline::dedupe`]),
 /// by `reason`: `event_id` or `repeat_action`.
 pub const DUPLICATES_SKIPPED: &str = "tally_duplicates_skipped_total";
+/// Likes too late for a window of trending counts.
+pub const WINDOW_LATE: &str = "tally_window_late_likes_total";
 /// Per partition, the seconds of record time the dedupe window covers.
 pub const DEDUPE_WINDOW_SECONDS: &str = "tally_dedupe_window_seconds";
 /// The reasons of [`DUPLICATES_SKIPPED`], as the dedupe stage labels them.
@@ -318,6 +320,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Records that changed no count because they repeat a like within the dedupe window, by reason (event_id: an earlier record carries its event id; repeat_action: a like after a like, or an unlike after an unlike, of the same user and post, with or without event ids).",
     ),
     (
+        WINDOW_LATE,
+        Kind::Counter,
+        "Likes that count in the lifetime count but not in a window of trending counts, once for each window: their record was written after the window's end plus --window-lateness (or has no time at all).",
+    ),
+    (
         DEDUPE_WINDOW_SECONDS,
         Kind::Gauge,
         "Per partition, the seconds of record time between the oldest event the dedupe window remembers and the newest record: how far apart two records may be and still be found as duplicates now.",
@@ -443,6 +450,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
     gauge!(DEDUPE_REMEMBERED).set(0.0);
+    counter!(WINDOW_LATE).absolute(0);
     // Registered so that its series exist before the first re-read ends.
     let _ = histogram!(DEDUPE_REREAD_SECONDS);
     gauge!(ROUTED_POSTS).set(0.0);
@@ -514,6 +522,13 @@ pub fn batch_done(applied: bool, messages: u64, bad: u64, increments: usize, too
     counter!(INCREMENTS).increment(increments as u64);
     if applied {
         counter!(EVENTS).increment(messages - bad);
+    }
+}
+
+/// Records the likes of an applied batch too late for a window of theirs.
+pub fn window_late(likes: u64) {
+    if likes > 0 {
+        counter!(WINDOW_LATE).increment(likes);
     }
 }
 

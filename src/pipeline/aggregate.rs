@@ -6,6 +6,11 @@
 //! are part of the range too (they are "applied" as nothing).
 //! Nothing is allocated per event: deltas go into a hash map that is reused
 //! from batch to batch.
+//!
+//! With windows of trending counts (see [`crate::domain::windows`]) a batch
+//! also sums each post's net likes per window, for the slot group of the
+//! post's bucket 0, which applies them; a like its window group already has
+//! is not added there, whatever its counter's group needs.
 
 use std::time::Instant;
 
@@ -32,7 +37,23 @@ pub struct Batch {
     bad: u64,
     /// Net delta and number of events per counter.
     deltas: FxHashMap<CounterId, (i64, u32)>,
+    /// Net delta per post and window.
+    windows: FxHashMap<WindowCell, i64>,
+    /// Likes too late for a window of theirs.
+    late: u64,
     opened_at: Option<Instant>,
+}
+
+/// One post in one window: the window size's index among the prefix's
+/// sizes, and the window's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WindowCell {
+    /// The index of the window's size.
+    pub size: u8,
+    /// The window's start (milliseconds since the epoch).
+    pub start: i64,
+    /// The post.
+    pub post_id: u64,
 }
 
 impl Default for Batch {
@@ -50,6 +71,8 @@ impl Batch {
             messages: 0,
             bad: 0,
             deltas: FxHashMap::default(),
+            windows: FxHashMap::default(),
+            late: 0,
             opened_at: None,
         }
     }
@@ -79,6 +102,17 @@ impl Batch {
         entry.1 += 1;
     }
 
+    /// Adds a like's delta to its post's count in one window; the like was
+    /// added (or covered) first, at its offset.
+    pub fn add_window(&mut self, cell: WindowCell, delta: i64) {
+        *self.windows.entry(cell).or_insert(0) += delta;
+    }
+
+    /// Notes a like too late for a window of its.
+    pub fn add_late(&mut self) {
+        self.late += 1;
+    }
+
     /// Covers an event its slot group already has (after a straddle or a
     /// crash between scripts): it extends the range and changes no counter.
     pub fn add_applied(&mut self, start: i64, offset: i64) {
@@ -93,7 +127,8 @@ impl Batch {
 
     /// Whether a size limit is reached.
     pub fn is_full(&self, limits: &Limits) -> bool {
-        self.messages >= limits.max_events || self.deltas.len() >= limits.max_keys
+        self.messages >= limits.max_events
+            || self.deltas.len() + self.windows.len() >= limits.max_keys
     }
 
     /// How long the batch has been open.
@@ -124,15 +159,25 @@ impl Batch {
         // By delta, then counter: the script takes equal deltas as one run
         // (most are +1), and a stable order makes scripts reproducible.
         deltas.sort_unstable_by_key(|&(id, delta)| (delta, id));
+        let mut windows: Vec<(WindowCell, i64)> = self
+            .windows
+            .drain()
+            .filter(|&(_, delta)| delta != 0)
+            .collect();
+        // By window, so that each window's set is one run of its members.
+        windows.sort_unstable();
         let closed = ClosedBatch {
             start,
             last: self.last,
             messages: self.messages,
             bad: self.bad,
+            late: self.late,
             deltas,
+            windows,
         };
         self.messages = 0;
         self.bad = 0;
+        self.late = 0;
         self.last = -1;
         self.opened_at = None;
         Some(closed)
@@ -152,7 +197,9 @@ impl ClosedBatch {
             last: next - 1,
             messages: 0,
             bad: 0,
+            late: 0,
             deltas: Vec::new(),
+            windows: Vec::new(),
         }
     }
 
@@ -167,7 +214,9 @@ impl ClosedBatch {
             last,
             messages: 0,
             bad: 0,
+            late: 0,
             deltas: Vec::new(),
+            windows: Vec::new(),
         }
     }
 
@@ -181,13 +230,37 @@ impl ClosedBatch {
         self.messages == 0
     }
 
-    /// Splits the deltas by slot group (index = group).
-    pub fn split(&mut self, groups: &SlotGroups) -> Vec<Vec<(CounterId, i64)>> {
-        let mut split = vec![Vec::new(); groups.count() as usize];
+    /// Splits the deltas by slot group (index = group): each counter to its
+    /// own group, each post's window deltas to the group of its bucket 0.
+    pub fn split(&mut self, groups: &SlotGroups) -> Vec<Share> {
+        let mut split = vec![Share::default(); groups.count() as usize];
         for (id, delta) in self.deltas.drain(..) {
-            split[groups.group_of(id.post_id, id.bucket) as usize].push((id, delta));
+            split[groups.group_of(id.post_id, id.bucket) as usize]
+                .deltas
+                .push((id, delta));
+        }
+        for (cell, delta) in self.windows.drain(..) {
+            split[groups.group_of(cell.post_id, 0) as usize]
+                .windows
+                .push((cell, delta));
         }
         split
+    }
+}
+
+/// One slot group's share of a batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Share {
+    /// Net deltas of the group's counters.
+    pub deltas: Vec<(CounterId, i64)>,
+    /// Net deltas of the posts whose windows the group keeps, in window order.
+    pub windows: Vec<(WindowCell, i64)>,
+}
+
+impl Share {
+    /// Whether the share changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.deltas.is_empty() && self.windows.is_empty()
     }
 }
 
@@ -202,8 +275,12 @@ pub struct ClosedBatch {
     pub messages: u64,
     /// Bad messages in the range.
     pub bad: u64,
+    /// Likes too late for a window of theirs (counted for each window).
+    pub late: u64,
     /// Non-zero net deltas, sorted by delta, then counter.
     pub deltas: Vec<(CounterId, i64)>,
+    /// Non-zero net deltas per post and window, sorted by window, then post.
+    pub windows: Vec<(WindowCell, i64)>,
 }
 
 #[cfg(test)]
@@ -343,7 +420,7 @@ mod tests {
             let split = closed.split(&groups);
             let groups = &groups;
             let mut after: Vec<_> = split.iter().enumerate().flat_map(|(g, part)| {
-                part.iter().map(move |&(id, d)| { assert_eq!(groups.group_of(id.post_id, id.bucket), g as u32); (id, d) })
+                part.deltas.iter().map(move |&(id, d)| { assert_eq!(groups.group_of(id.post_id, id.bucket), g as u32); (id, d) })
             }).collect();
             after.sort_unstable_by_key(|&(id, d)| (d, id));
             prop_assert_eq!(after, before);

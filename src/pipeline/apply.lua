@@ -1,12 +1,15 @@
 -- apply.lua: apply one slot group's share of a batch behind its fence, atomically.
 --
 -- KEYS[1]       the group's fence key (same hash slot as every counter key)
--- KEYS[2..n]    counter keys <prefix>:likes:<post>:<bucket>[:{tag}]
+-- KEYS[2..]     counter keys <prefix>:likes:<post>:<bucket>[:{tag}], then
+--               the W window sets (windows.lua)
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
--- ARGV[4..]     the deltas as runs, in KEYS order: pairs (delta, n), each
---               adding delta to the next n counter keys; the n sum to #KEYS - 1
+-- ARGV[4]       W, the number of window sets
+-- ARGV[5..]     the deltas as runs, in KEYS order: pairs (delta, n), each
+--               adding delta to the next n counter keys; the n sum to #KEYS - 1 - W;
+--               then the window section (windows.lua)
 --
 -- Returns {code, fence}; fence is the fence found before the call.
 --   0 applied: every delta added, fence set to last
@@ -14,8 +17,9 @@
 --   2 straddle: start <= fence < last; nothing written
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error}: INCRBY refused KEYS[i] (a value that is not
---     an integer, another type, an overflow); the deltas already added are taken
---     back, so no count changes and the fence stays
+--     an integer, another type, an overflow), or KEYS[i] is a window set of
+--     another type; the deltas already added are taken back, so no count
+--     changes and the fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
 -- may call; nothing written.
 -- Codes 0-3 are the decision table of src/domain/fence.rs; the tests hold this
@@ -54,22 +58,32 @@ end
 -- them. A key the undo brings back to 0 is deleted: it held 0 before
 -- (absent, or "0"), absent reads as 0, and the failed call creates no keys.
 local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
-local counted, whole = 1, #argv % 2 == 1
-for r = 4, #argv - 1, 2 do
-  local n = tonumber(argv[r + 1])
-  if not n or n < 0 or n % 1 ~= 0 then
+local w = tonumber(argv[4])
+if not w or w < 0 or w % 1 ~= 0 or w > #keys - 1 then
+  return redis.error_reply('ERR apply.lua: ARGV[4] must count the window sets among KEYS')
+end
+local counters = #keys - 1 - w
+local counted, at, whole = 0, 5, true
+while counted < counters do
+  local n = tonumber(argv[at + 1])
+  if not n or n < 0 or n % 1 ~= 0 or not tonumber(argv[at]) then
     whole = false
     break
   end
   counted = counted + n
+  at = at + 2
 end
-if not whole or counted ~= #keys then
-  return redis.error_reply('ERR apply.lua: the runs of ARGV[4..] cover ' .. (counted - 1) .. ' keys, KEYS names ' .. (#keys - 1))
+if not whole or counted ~= counters or not windows_shaped(argv, at, w) then
+  return redis.error_reply('ERR apply.lua: the runs of ARGV[5..] cover ' .. counted .. ' keys, KEYS names ' .. counters .. ' counters, or the window section is not whole')
+end
+local refusal = windows_refusal(keys, w, fence)
+if refusal then
+  return refusal
 end
 
 local function undo(upto)
   local k = 2
-  for r = 4, #argv, 2 do
+  for r = 5, at - 1, 2 do
     local delta = argv[r]
     for _ = 1, tonumber(argv[r + 1]) do
       if k > upto then
@@ -84,7 +98,7 @@ local function undo(upto)
 end
 
 local k = 2
-for r = 4, #argv, 2 do
+for r = 5, at - 1, 2 do
   local delta = argv[r]
   for _ = 1, tonumber(argv[r + 1]) do
     local added = pcall('INCRBY', keys[k], delta)
@@ -95,5 +109,6 @@ for r = 4, #argv, 2 do
     k = k + 1
   end
 end
+apply_windows(keys, argv, at, w)
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence}

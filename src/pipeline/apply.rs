@@ -47,15 +47,21 @@ use tracing::error;
 
 use crate::domain::fence::{Decision, PartitionFences, Reply};
 use crate::domain::routing::{CounterId, KeyLayout};
+use crate::domain::windows;
 use crate::infra::retry::{GaveUp, RedisFailure, classify_redis, retry_redis};
 use crate::infra::store::{Shared, Target, connect_blocking};
+use crate::pipeline::aggregate::WindowCell;
 
-/// The script, with its header comment documenting KEYS, ARGV and replies.
-pub const APPLY_LUA: &str = include_str!("apply.lua");
+/// The script, with its header comment documenting KEYS, ARGV and replies,
+/// after the window section's functions (windows.lua) it ends with.
+pub const APPLY_LUA: &str = concat!(include_str!("windows.lua"), include_str!("apply.lua"));
 
 /// The script of a packed generation (see [`crate::domain::packing`]): the
 /// same fence and decisions, its counters fields of hashes.
-pub const APPLY_PACKED_LUA: &str = include_str!("apply_packed.lua");
+pub const APPLY_PACKED_LUA: &str = concat!(
+    include_str!("windows.lua"),
+    include_str!("apply_packed.lua")
+);
 
 /// The script a generation kept as `keys` says is applied with.
 pub fn script_text(keys: &KeyLayout) -> &'static str {
@@ -120,12 +126,60 @@ pub struct Prepared {
     pub absent_fence: i64,
     /// Net deltas of the group's counters.
     pub deltas: Vec<(CounterId, i64)>,
+    /// Net deltas of the posts whose windows the group keeps, in window order.
+    pub windows: Vec<(WindowCell, i64)>,
 }
 
 impl Prepared {
-    /// Number of counter increments the script performs when it applies.
+    /// Number of writes the script performs when it applies: counter
+    /// increments and window increments.
     pub fn increments(&self) -> usize {
-        self.deltas.len()
+        self.deltas.len() + self.windows.len()
+    }
+
+    /// The window deltas, one run per window set.
+    fn window_sets(&self) -> impl Iterator<Item = &[(WindowCell, i64)]> {
+        self.windows
+            .chunk_by(|a, b| (a.0.size, a.0.start) == (b.0.size, b.0.start))
+    }
+}
+
+/// How many counter keys a call names: one per counter, or one per hash
+/// when packed.
+fn counter_keys(keys: &KeyLayout, prepared: &Prepared) -> usize {
+    match keys.packing().packed() {
+        None => prepared.deltas.len(),
+        Some(packed) => {
+            let mut hashes: Vec<u32> = prepared
+                .deltas
+                .iter()
+                .map(|(id, _)| packed.hash_of(id.post_id, id.version, id.bucket))
+                .collect();
+            hashes.sort_unstable();
+            hashes.dedup();
+            hashes.len()
+        }
+    }
+}
+
+/// Writes the key of the set a run of window deltas goes to.
+fn write_set_key(out: &mut String, keys: &KeyLayout, group: u32, set: &[(WindowCell, i64)]) {
+    let cell = set[0].0;
+    let size = keys.windows().sizes()[usize::from(cell.size)];
+    keys.write_window_key(out, size, cell.start, group);
+}
+
+/// The window section's arguments: for each set, its expiry and its
+/// (member, delta) pairs.
+fn window_arguments(cmd: &mut Cmd, keys: &KeyLayout, prepared: &Prepared) {
+    let rules = keys.windows();
+    for set in prepared.window_sets() {
+        let cell = set[0].0;
+        let size = rules.sizes()[usize::from(cell.size)];
+        cmd.arg(rules.expires_at(size, cell.start)).arg(set.len());
+        for &(cell, delta) in set {
+            cmd.arg(&windows::member(cell.post_id)[..]).arg(delta);
+        }
     }
 }
 
@@ -164,18 +218,25 @@ pub fn script_call(
         packed_arguments(&mut cmd, keys, fence_key, prepared);
         return cmd;
     }
-    cmd.arg(prepared.deltas.len() + 1).arg(fence_key);
+    let sets = prepared.window_sets().count();
+    cmd.arg(prepared.deltas.len() + 1 + sets).arg(fence_key);
     let mut key = String::with_capacity(64);
     for (id, _) in &prepared.deltas {
         keys.write_counter_key(&mut key, *id);
         cmd.arg(key.as_str());
     }
+    for set in prepared.window_sets() {
+        write_set_key(&mut key, keys, prepared.group, set);
+        cmd.arg(key.as_str());
+    }
     cmd.arg(prepared.start)
         .arg(prepared.last)
-        .arg(prepared.absent_fence);
+        .arg(prepared.absent_fence)
+        .arg(sets);
     for (delta, n) in runs(&prepared.deltas) {
         cmd.arg(delta).arg(n);
     }
+    window_arguments(&mut cmd, keys, prepared);
     cmd
 }
 
@@ -193,15 +254,21 @@ fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: 
         .collect();
     order.sort_unstable();
     let hashes = order.chunk_by(|a, b| a.0 == b.0).count();
-    cmd.arg(hashes + 1).arg(fence_key);
+    let sets = prepared.window_sets().count();
+    cmd.arg(hashes + 1 + sets).arg(fence_key);
     let mut key = String::with_capacity(64);
     for run in order.chunk_by(|a, b| a.0 == b.0) {
         keys.write_counter_key(&mut key, prepared.deltas[run[0].1].0);
         cmd.arg(key.as_str());
     }
+    for set in prepared.window_sets() {
+        write_set_key(&mut key, keys, prepared.group, set);
+        cmd.arg(key.as_str());
+    }
     cmd.arg(prepared.start)
         .arg(prepared.last)
-        .arg(prepared.absent_fence);
+        .arg(prepared.absent_fence)
+        .arg(sets);
     let mut field = String::with_capacity(32);
     for run in order.chunk_by(|a, b| a.0 == b.0) {
         cmd.arg(run.len());
@@ -211,6 +278,7 @@ fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: 
             cmd.arg(field.as_str()).arg(delta);
         }
     }
+    window_arguments(cmd, keys, prepared);
 }
 
 /// The deltas as the script takes them: `(delta, n)` for each run of `n`
@@ -334,6 +402,23 @@ impl Applier {
         if code == REFUSED {
             let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
             let error = text(3).unwrap_or_default();
+            // The window sets are the last keys of the call.
+            let sets = prepared.window_sets().count();
+            let counters = counter_keys(self.keys(), prepared);
+            if sets > 0 && index >= counters {
+                let set = prepared
+                    .window_sets()
+                    .nth(index - counters)
+                    .ok_or_else(unexpected)?;
+                let mut key = String::new();
+                write_set_key(&mut key, self.keys(), prepared.group, set);
+                return Ok(Err(ApplyError::BadKey {
+                    key,
+                    error,
+                    start: prepared.start,
+                    last: prepared.last,
+                }));
+            }
             let key = match text(4) {
                 // Packed: the reply names the field, and the field its counter.
                 Some(field) => {

@@ -2,11 +2,14 @@
 -- fields of small hashes: the same fence, the same decisions, all or nothing.
 --
 -- KEYS[1]       the group's fence key (same hash slot as every hash)
--- KEYS[2..n]    the hashes <prefix>:packed:<n>[:{tag}] the counters live in
+-- KEYS[2..]     the hashes <prefix>:packed:<n>[:{tag}] the counters live in,
+--               then the W window sets (windows.lua)
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
--- ARGV[4..]     for each of KEYS[2..] in order: m, then m pairs (field, delta)
+-- ARGV[4]       W, the number of window sets
+-- ARGV[5..]     for each hash in order: m, then m pairs (field, delta); then
+--               the window section (windows.lua)
 --
 -- Returns {code, fence, fill}; fence is the fence found before the call, fill
 -- the fields of one hash it wrote, after it (0 when nothing was written): the
@@ -17,7 +20,8 @@
 --   2 straddle: start <= fence < last; nothing written
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error, field}: HINCRBY refused field of KEYS[i]
---     (a value that is not an integer, a key of another type, an overflow);
+--     (a value that is not an integer, a key of another type, an overflow),
+--     or {4, fence, i, error} for a window set KEYS[i] of another type;
 --     the deltas already added are taken back, so no count changes and the
 --     fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
@@ -51,8 +55,13 @@ end
 local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
 
 -- The arguments must cover every key, each with whole pairs.
-local a, covered = 4, 1
-while a <= #argv do
+local w = tonumber(argv[4])
+if not w or w < 0 or w % 1 ~= 0 or w > #keys - 1 then
+  return redis.error_reply('ERR apply_packed.lua: ARGV[4] must count the window sets among KEYS')
+end
+local hashes = #keys - w
+local a, covered = 5, 1
+while covered < hashes and a <= #argv do
   local m = tonumber(argv[a])
   if not m or m < 0 or m % 1 ~= 0 then
     break
@@ -60,14 +69,18 @@ while a <= #argv do
   a = a + 1 + 2 * m
   covered = covered + 1
 end
-if a ~= #argv + 1 or covered ~= #keys then
-  return redis.error_reply('ERR apply_packed.lua: ARGV[4..] does not give whole (field, delta) pairs for each of the ' .. (#keys - 1) .. ' hashes of KEYS')
+if covered ~= hashes or a > #argv + 1 or not windows_shaped(argv, a, w) then
+  return redis.error_reply('ERR apply_packed.lua: ARGV[5..] does not give whole (field, delta) pairs for each of the ' .. (hashes - 1) .. ' hashes of KEYS, or the window section is not whole')
+end
+local refusal = windows_refusal(keys, w, fence)
+if refusal then
+  return refusal
 end
 
 -- Takes back every delta before pair p of KEYS[upto] (and all of the keys
 -- before it).
 local function undo(upto, p)
-  local at = 4
+  local at = 5
   for k = 2, upto do
     local m = tonumber(argv[at])
     local stop = m
@@ -84,8 +97,8 @@ local function undo(upto, p)
   end
 end
 
-local at = 4
-for k = 2, #keys do
+local at = 5
+for k = 2, hashes do
   local key = keys[k]
   local m = tonumber(argv[at])
   for j = 1, m do
@@ -98,9 +111,10 @@ for k = 2, #keys do
   end
   at = at + 1 + 2 * m
 end
+apply_windows(keys, argv, at, w)
 local fill = 0
-if #keys > 1 then
-  fill = redis.call('HLEN', keys[2 + last % (#keys - 1)])
+if hashes > 1 then
+  fill = redis.call('HLEN', keys[2 + last % (hashes - 1)])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence, fill}

@@ -47,6 +47,10 @@ pub struct Like {
     pub user_id: u64,
     /// +1 for a like, -1 for an unlike.
     pub delta: i64,
+    /// The producer's clock (`event_time_ms`), 0 when it sent none: which
+    /// window of trending counts the like falls in (see
+    /// [`crate::domain::windows`]).
+    pub event_time_ms: i64,
 }
 
 /// A record's `event_id`, hashed (XXH3-128 of its bytes): what the dedupe
@@ -267,6 +271,7 @@ fn validate(event: &LikeEvent) -> Result<Like, BadReason> {
         post_id: event.post_id,
         user_id: event.user_id,
         delta,
+        event_time_ms: event.event_time_ms,
     })
 }
 
@@ -307,7 +312,8 @@ mod tests {
             Ok(Like {
                 post_id: 7,
                 user_id: 9,
-                delta: 1
+                delta: 1,
+                event_time_ms: 1,
             })
         );
         assert_eq!(
@@ -315,7 +321,8 @@ mod tests {
             Ok(Like {
                 post_id: 7,
                 user_id: 9,
-                delta: -1
+                delta: -1,
+                event_time_ms: 2,
             })
         );
     }
@@ -380,7 +387,8 @@ mod tests {
             Ok(Like {
                 post_id: 101,
                 user_id: 7,
-                delta: -1
+                delta: -1,
+                event_time_ms: 0,
             })
         );
     }
@@ -399,6 +407,7 @@ mod tests {
         post_id: 7,
         user_id: 9,
         delta: 1,
+        event_time_ms: 1,
     };
 
     #[test]
@@ -548,7 +557,7 @@ mod tests {
         fn valid_events_round_trip(post in 1u64.., user: u64, like: bool, t: i64) {
             let action = if like { Action::Like } else { Action::Unlike };
             let got = decode(Some(&encode(post, user, action, t))).unwrap();
-            prop_assert_eq!(got, Like { post_id: post, user_id: user, delta: if like { 1 } else { -1 } });
+            prop_assert_eq!(got, Like { post_id: post, user_id: user, delta: if like { 1 } else { -1 }, event_time_ms: t });
         }
     }
 }

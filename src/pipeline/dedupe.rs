@@ -350,6 +350,7 @@ mod tests {
             post_id: post,
             user_id: user,
             delta,
+            event_time_ms: 0,
         }
     }
 

@@ -422,6 +422,7 @@ impl Pipeline {
             limits,
             view: std::sync::RwLock::new(Arc::new(View {
                 groups: applier.keys().groups().clone(),
+                windows: applier.keys().windows().clone(),
                 watch: watch.clone(),
             })),
             events: events_to,
@@ -559,6 +560,7 @@ impl Pipeline {
                     false => intake::accept(
                         &mut state,
                         self.applier.keys().groups(),
+                        self.applier.keys().windows(),
                         &message,
                         timestamp,
                         &self.table,

@@ -12,6 +12,7 @@ pub fn script(start: i64, last: i64, absent_fence: i64, deltas: &[(u64, u32, i64
         start,
         last,
         absent_fence,
+        windows: Vec::new(),
         deltas: deltas
             .iter()
             .map(|&(post_id, bucket, d)| (CounterId::v0(post_id, bucket), d))

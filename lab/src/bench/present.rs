@@ -78,6 +78,7 @@ pub(super) async fn write_record(
         group: group.to_string(),
         created_at_ms: tally::domain::versions::wall_ms(),
         packed: Default::default(),
+        windows: Default::default(),
     };
     ensure_record(&opened.store, store.prefix(), &proposed).await?;
     Ok(())

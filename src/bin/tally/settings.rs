@@ -17,6 +17,7 @@ use std::time::Duration;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
+use tally::domain::windows::{self, Windows};
 use tally::infra::config::packing::{
     DEFAULT_PACKED_COUNTERS, DEFAULT_PACKED_FIELDS, LayoutName, PackingSettings,
 };
@@ -41,6 +42,7 @@ const BATCHING: &str = "Batching";
 const HOT: &str = "Hot posts";
 const DEDUPE: &str = "Duplicates";
 const SECURITY: &str = "Security";
+const WINDOWS: &str = "Trending";
 
 /// Where the counts are: the flags every command touching Redis shares.
 #[derive(Clone, Args, Serialize, Deserialize)]
@@ -274,6 +276,25 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_PACKED_FIELDS", value_name = "N", default_value_t = DEFAULT_PACKED_FIELDS, help_heading = REDIS)]
     pub packed_fields: u32,
 
+    /// Windows of trending counts a new prefix keeps, comma-separated (for example
+    /// 1m,1h,1d): likes per post per tumbling window of event time, and the posts with the
+    /// most, written with the lifetime counts by the same fenced script. The first
+    /// `tally run` writes them into the layout record; a later start that sets them must
+    /// name the prefix's. Unset: the prefix's, none on a new one.
+    #[arg(long, env = "TALLY_WINDOWS", value_name = "SIZES", help_heading = WINDOWS)]
+    pub windows: Option<String>,
+
+    /// How long after a window's end a like still counts in it, judged by its record's
+    /// Kafka timestamp (never a clock of the consumer, so a replay decides alike). A later
+    /// like counts in the lifetime count only, and in tally_window_late_likes_total.
+    #[arg(long, env = "TALLY_WINDOW_LATENESS", value_name = "DURATION", default_value = "5m", help_heading = WINDOWS)]
+    pub window_lateness: String,
+
+    /// How long after a window's end Redis keeps its counts (the sets expire then); at
+    /// least --window-lateness.
+    #[arg(long, env = "TALLY_WINDOW_RETENTION", value_name = "DURATION", default_value = "1d", help_heading = WINDOWS)]
+    pub window_retention: String,
+
     /// Promote a post to --hot-buckets when its events across all consumers
     /// exceed this many per second (0 turns detection off; `tally promote` still works).
     #[arg(long, env = "TALLY_PROMOTE_ABOVE", default_value_t = lib::DEFAULT_PROMOTE_ABOVE, help_heading = HOT)]
@@ -455,6 +476,10 @@ impl RunArgs {
                 counters: self.packed_counters,
                 fields: self.packed_fields,
             },
+            windows: self.windows_settings().unwrap_or_else(|p| {
+                problems.push(p);
+                None
+            }),
         };
         problems.extend(settings.problems());
         if problems.is_empty() {
@@ -462,6 +487,21 @@ impl RunArgs {
         } else {
             Err(problems)
         }
+    }
+
+    /// The windows `--windows` names with their rules; `None` without it.
+    fn windows_settings(&self) -> Result<Option<Windows>, ConfigError> {
+        let Some(sizes) = &self.windows else {
+            return Ok(None);
+        };
+        let sizes = Windows::parse_sizes(sizes).map_err(|e| lib::bad("windows", e.to_string()))?;
+        let lateness = windows::parse_duration(&self.window_lateness)
+            .map_err(|e| lib::bad("window-lateness", e.to_string()))?;
+        let retention = windows::parse_duration(&self.window_retention)
+            .map_err(|e| lib::bad("window-retention", e.to_string()))?;
+        Windows::new(sizes, lateness, retention)
+            .map(Some)
+            .map_err(|e| lib::bad("windows", e.to_string()))
     }
 
     fn kafka_security(&self) -> Result<KafkaSecurity, Vec<ConfigError>> {

@@ -128,6 +128,10 @@ pub struct RunSettings {
     /// How a new prefix, or the generation a rebuild makes, keeps its
     /// counters (see [`crate::domain::packing`]).
     pub packing: packing::PackingSettings,
+    /// The windows of trending counts a new prefix keeps (`--windows`,
+    /// `--window-lateness`, `--window-retention`); `None` keeps the
+    /// prefix's (see [`crate::domain::windows`]).
+    pub windows: Option<crate::domain::windows::Windows>,
 }
 
 impl RunSettings {

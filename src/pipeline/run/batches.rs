@@ -291,6 +291,7 @@ impl Pipeline {
         }
         let Some(state) = current else {
             metrics::batch_done(true, done.messages, done.bad, increments, done.took);
+            metrics::window_late(done.late);
             return Ok(());
         };
         state.verified_at = Instant::now();
@@ -304,6 +305,9 @@ impl Pipeline {
         }
         if carried || !continues {
             metrics::batch_done(continues, done.messages, done.bad, increments, done.took);
+        }
+        if continues {
+            metrics::window_late(done.late);
         }
         if continues {
             // A probe that continues confirms every offset below the fences:

@@ -175,6 +175,7 @@ impl Pipeline {
         self.table = self.watch.current();
         self.reading.set_view(View {
             groups: self.applier.keys().groups().clone(),
+            windows: self.applier.keys().windows().clone(),
             watch: self.watch.clone(),
         });
         true

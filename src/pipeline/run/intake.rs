@@ -47,12 +47,13 @@ use tracing::{info, warn};
 use crate::domain::fence::{PartitionFences, Tracker};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::RouteTable;
+use crate::domain::windows::{Placed, Windows};
 use crate::infra::{health, metrics};
-use crate::pipeline::aggregate::Batch;
+use crate::pipeline::aggregate::{Batch, WindowCell};
 use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::Rebalanced;
 use crate::pipeline::dead_letter::{DeadLetter, DeadLetters, Pending};
-use crate::pipeline::decode::Decoder;
+use crate::pipeline::decode::{Decoder, Like};
 use crate::pipeline::dedupe::{DedupeSettings, Window};
 use crate::pipeline::guard::{self, LogFit};
 
@@ -322,9 +323,11 @@ pub(super) fn apply_changes(
 /// before it) or after librdkafka reset a position the log does not hold:
 /// the fence's position lay beyond the log's end, and the reset went back to
 /// its start. The second is handed back as [`Intake::BelowFence`].
+#[allow(clippy::too_many_arguments)]
 pub(super) fn accept(
     state: &mut Owned,
     groups: &SlotGroups,
+    windows: &Windows,
     message: &BorrowedMessage<'_>,
     timestamp: i64,
     routes: &RouteTable,
@@ -386,13 +389,20 @@ pub(super) fn accept(
                 state.buffered(timestamp);
                 return Intake::Taken;
             }
-            let already_in = state.known.as_ref().is_some_and(|(_, t)| {
-                offset <= t.highest() && !t.needs(groups.group_of(id.post_id, id.bucket), offset)
-            });
-            if already_in {
+            let already_in = |group: u32| {
+                state
+                    .known
+                    .as_ref()
+                    .is_some_and(|(_, t)| offset <= t.highest() && !t.needs(group, offset))
+            };
+            let windowed = !windows.is_empty() && !already_in(groups.group_of(like.post_id, 0));
+            if already_in(groups.group_of(id.post_id, id.bucket)) {
                 state.batch.add_applied(start, offset);
             } else {
                 state.batch.add(start, offset, id, like.delta);
+            }
+            if windowed {
+                add_windows(&mut state.batch, windows, &like, timestamp);
             }
         }
         Err(reason) => {
@@ -416,6 +426,23 @@ pub(super) fn accept(
     state.next = Some(offset + 1);
     state.buffered(timestamp);
     Intake::Taken
+}
+
+/// Adds a like to its post's count in each window it is not too late for.
+fn add_windows(batch: &mut Batch, windows: &Windows, like: &Like, timestamp: i64) {
+    for (i, &size) in windows.sizes().iter().enumerate() {
+        match windows.place(size, like.event_time_ms, timestamp) {
+            Some(Placed::In(start)) => batch.add_window(
+                WindowCell {
+                    size: i as u8,
+                    start,
+                    post_id: like.post_id,
+                },
+                like.delta,
+            ),
+            Some(Placed::Late(_)) | None => batch.add_late(),
+        }
+    }
 }
 
 /// Gives a partition that starts at its fences a fresh dedupe window, and

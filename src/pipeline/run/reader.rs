@@ -66,6 +66,8 @@ pub(super) enum Event {
 /// generation changes.
 pub(super) struct View {
     pub(super) groups: SlotGroups,
+    /// The windows of trending counts the generation keeps.
+    pub(super) windows: crate::domain::windows::Windows,
     pub(super) watch: RouteWatch,
 }
 
@@ -286,6 +288,7 @@ impl Reader {
             let intake = intake::accept(
                 state,
                 &view.groups,
+                &view.windows,
                 message,
                 timestamp,
                 table,

@@ -36,6 +36,8 @@ pub(super) struct Done {
     pub(super) last: i64,
     pub(super) messages: u64,
     pub(super) bad: u64,
+    /// Likes too late for a window of theirs.
+    pub(super) late: u64,
     pub(super) took: Duration,
     pub(super) result: Result<Finished, ApplyError>,
 }
@@ -74,6 +76,7 @@ impl Job {
             last: self.batch.last,
             messages: self.batch.messages,
             bad: self.batch.bad,
+            late: self.batch.late,
             took: began.elapsed(),
             result,
         }
@@ -131,19 +134,21 @@ pub(super) fn plan(
     let (origin, tracker) = known;
     let mut split = batch.split(groups);
     let mut scripts = Vec::new();
-    for (g, deltas) in split.iter_mut().enumerate() {
+    for (g, share) in split.iter_mut().enumerate() {
         let g = g as u32;
         let (start, last) = tracker.claim(g, batch.last);
-        if start > last + 1 || (deltas.is_empty() && !due(g)) {
+        if start > last + 1 || (share.is_empty() && !due(g)) {
             continue;
         }
+        let share = std::mem::take(share);
         scripts.push(Prepared {
             partition,
             group: g,
             start,
             last,
             absent_fence: origin - 1,
-            deltas: std::mem::take(deltas),
+            deltas: share.deltas,
+            windows: share.windows,
         });
     }
     scripts

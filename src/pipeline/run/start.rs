@@ -189,6 +189,7 @@ pub fn writer_layout(settings: &RunSettings) -> WriterLayout {
         topic: settings.kafka.topic.clone(),
         group: settings.kafka.group.clone(),
         packing: Wanted::from_settings(&settings.packing),
+        windows: settings.windows.clone(),
     }
 }
 

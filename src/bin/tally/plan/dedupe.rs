@@ -101,6 +101,7 @@ mod tests {
                 post_id: 1 + user % 997,
                 user_id: user,
                 delta: if rng.random_bool(0.8) { 1 } else { -1 },
+                event_time_ms: 0,
             };
             let event = id.then(|| EventId::of(&offset.to_le_bytes()));
             window.observe(offset, offset, &like, event);
