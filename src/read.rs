@@ -32,6 +32,8 @@
 //! that moved back (see [`generation::Backwards`]) is reported, once per
 //! pointer value, with a metric and an ERROR line naming the remedy.
 
+pub mod trending;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -78,6 +80,16 @@ pub enum ReadError {
     /// Redis kept answering too slowly.
     #[error("reading counts from Redis failed: no answer within {0:?}")]
     Deadline(Duration),
+    /// A window the prefix does not keep.
+    #[error(
+        "window '{asked}' is not kept under this prefix (it keeps {kept}); `tally run --windows` names them when a prefix is made"
+    )]
+    UnknownWindow {
+        /// The window asked for.
+        asked: String,
+        /// The windows kept, as `1m,1h`.
+        kept: String,
+    },
 }
 
 impl From<RedisError> for ReadError {
@@ -146,6 +158,8 @@ struct Inner {
     defaults: Mutex<Defaults>,
     ttl: Duration,
     cache: Mutex<FxHashMap<u64, (Count, Instant)>>,
+    /// Window answers (see [`trending`]).
+    windowed: Mutex<FxHashMap<trending::WindowRead, (trending::Cached, Instant)>>,
     pending: Mutex<FxHashMap<u64, Pending>>,
     fetches: AtomicU64,
 }
@@ -182,6 +196,7 @@ impl Reader {
                 defaults: Mutex::new(Defaults::fixed(epoch0)),
                 ttl,
                 cache: Mutex::new(FxHashMap::default()),
+                windowed: Mutex::new(FxHashMap::default()),
                 pending: Mutex::new(FxHashMap::default()),
                 fetches: AtomicU64::new(0),
             }),

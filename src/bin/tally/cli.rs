@@ -50,7 +50,9 @@ pub enum Command {
     Inspect(inspect::Inspect),
     /// Print posts' like counts, summed over every bucket and version.
     Count(reads::CountArgs),
-    /// Serve counts over HTTP: GET /v1/posts/{id}/likes and /v1/likes?post_id=..
+    /// Print the posts with the most likes in a window of trending counts (tally run --windows).
+    Top(reads::TopArgs),
+    /// Serve counts over HTTP: GET /v1/posts/{id}/likes, /v1/likes?post_id=.. and /v1/trending?window=..
     Serve(serve::ServeArgs),
     /// Give a post more buckets now (a new routing version; safe while tally runs).
     Promote(ops::RouteArgs),

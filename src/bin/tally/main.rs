@@ -73,6 +73,7 @@ async fn dispatch(command: Command, matches: &ArgMatches) -> anyhow::Result<()> 
         Command::Docs(docs) => run::docs(docs, Cli::command()),
         Command::Inspect(inspect) => inspect::inspect(inspect, sub).await,
         Command::Count(args) => reads::count(&args, sub).await,
+        Command::Top(args) => reads::top(&args, sub).await,
         Command::Serve(args) => serve::serve(args, sub).await,
         Command::Promote(args) => {
             ops::route(&args, tally::ops::promote::Direction::Promote, sub).await

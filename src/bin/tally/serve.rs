@@ -1,14 +1,20 @@
 //! Serve: the read path over HTTP (`tally serve`).
 //!
 //! * `GET /v1/posts/{id}/likes` → `{"post_id": 1, "likes": 10, "as_of_ms": ...}`
+//! * `GET /v1/posts/{id}/likes?window=1h[&at=<ms>]` → the post's likes in the
+//!   window of that size holding now (or `at`), with `window`, `start_ms`
+//!   and `end_ms`
 //! * `GET /v1/likes?post_id=1&post_id=2` (1 to `--max-ids` ids) →
 //!   `{"likes": [{"post_id": 1, ...}, ...]}`, in the order asked
+//! * `GET /v1/trending?window=1h[&limit=50][&at=<ms>]` → the posts with the
+//!   most likes in that window, `{"posts": [{"post_id": 1, "likes": 9}, ...], ...}`
 //! * `GET /healthz` → `{"status": "ok"}`
 //! * `GET /metrics` → Prometheus text: requests by route and status, their
 //!   latency, read-cache hits and misses, fetches sent to Redis
 //!
 //! Invariant: every answer is JSON, errors included (`{"error": "..."}` with
-//! 400 for a bad or missing id or too many ids, 404 for an unknown path, 405
+//! 400 for a bad or missing id or too many ids, a window the prefix does not
+//! keep or a limit out of range, 404 for an unknown path, 405
 //! for another method, 413 for a body over `--max-body-bytes`, 503 when Redis
 //! fails, when `--max-concurrent-requests` are in progress or after
 //! `--request-timeout-ms`); a handler never panics on input. Counts come
@@ -30,8 +36,9 @@ use clap::Args;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use serde_json::json;
+use tally::domain::windows::{DEFAULT_TOP_K, MAX_TOP_K};
 use tally::infra::config::{self, ServeLimits};
-use tally::read::{Count, Reader};
+use tally::read::{Count, ReadError, Reader};
 use tracing::info;
 
 use crate::settings::StoreArgs;
@@ -103,14 +110,99 @@ struct Api {
     max_ids: usize,
 }
 
-async fn one(State(api): State<Api>, Path(raw): Path<String>) -> Result<Response, Failure> {
+/// A failed read: 400 for a window the prefix does not keep, 503 otherwise.
+fn read_failed(error: ReadError) -> Failure {
+    match error {
+        ReadError::UnknownWindow { .. } => bad_request(error.to_string()),
+        other => Failure(StatusCode::SERVICE_UNAVAILABLE, other.to_string()),
+    }
+}
+
+/// The window parameters of a query: `window`, `at` and, where `limited`,
+/// `limit`; any other name is refused.
+#[derive(Default)]
+struct WindowQuery {
+    window: Option<String>,
+    at: Option<i64>,
+    limit: Option<usize>,
+}
+
+fn window_query(query: Option<&str>, limited: bool) -> Result<WindowQuery, Failure> {
+    let mut parsed = WindowQuery::default();
+    for pair in query
+        .unwrap_or_default()
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match name {
+            "window" => parsed.window = Some(value.to_string()),
+            "at" => {
+                parsed.at = Some(value.parse().map_err(|_| {
+                    bad_request(format!("at '{value}' is not milliseconds since the epoch"))
+                })?)
+            }
+            "limit" if limited => {
+                let limit = value.parse().ok().filter(|l| (1..=MAX_TOP_K).contains(l));
+                parsed.limit = Some(limit.ok_or_else(|| {
+                    bad_request(format!("limit '{value}' must be between 1 and {MAX_TOP_K}"))
+                })?);
+            }
+            other => {
+                let known = if limited {
+                    "window, limit and at"
+                } else {
+                    "window and at"
+                };
+                return Err(bad_request(format!(
+                    "unknown parameter '{other}'; this path takes {known}"
+                )));
+            }
+        }
+    }
+    Ok(parsed)
+}
+
+async fn one(
+    State(api): State<Api>,
+    Path(raw): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Failure> {
     let post = parse_id(&raw)?;
-    let count = api
-        .reader
-        .count(post)
-        .await
-        .map_err(|e| Failure(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    let asked = window_query(query.as_deref(), false)?;
+    if let Some(window) = asked.window {
+        let size = api.reader.window_size(&window).map_err(read_failed)?;
+        let count = api
+            .reader
+            .window_likes(post, size, asked.at)
+            .await
+            .map_err(read_failed)?;
+        return Ok(Json(count).into_response());
+    }
+    if asked.at.is_some() {
+        return Err(bad_request(
+            "at names an instant of a window: give window too",
+        ));
+    }
+    let count = api.reader.count(post).await.map_err(read_failed)?;
     Ok(Json(count).into_response())
+}
+
+async fn trending(State(api): State<Api>, RawQuery(query): RawQuery) -> Result<Response, Failure> {
+    let asked = window_query(query.as_deref(), true)?;
+    let window = asked.window.ok_or_else(|| {
+        bad_request(format!(
+            "give window=<size>, one of the prefix's windows ({})",
+            api.reader.windows().sizes_field()
+        ))
+    })?;
+    let size = api.reader.window_size(&window).map_err(read_failed)?;
+    let list = api
+        .reader
+        .trending(size, asked.at, asked.limit.unwrap_or(DEFAULT_TOP_K))
+        .await
+        .map_err(read_failed)?;
+    Ok(Json(list).into_response())
 }
 
 /// The answer of `/v1/likes`, serialized straight from the counts.
@@ -140,11 +232,7 @@ async fn many(State(api): State<Api>, RawQuery(query): RawQuery) -> Result<Respo
     if posts.is_empty() {
         return Err(bad_request("give at least one post_id=<id>"));
     }
-    let counts = api
-        .reader
-        .counts(&posts)
-        .await
-        .map_err(|e| Failure(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    let counts = api.reader.counts(&posts).await.map_err(read_failed)?;
     Ok(Json(Likes { likes: &counts }).into_response())
 }
 
@@ -157,6 +245,7 @@ async fn measured(request: Request, next: Next) -> Response {
     {
         Some("/v1/posts/{id}/likes") => "/v1/posts/{id}/likes",
         Some("/v1/likes") => "/v1/likes",
+        Some("/v1/trending") => "/v1/trending",
         Some("/healthz") => "/healthz",
         Some("/metrics") => "/metrics",
         _ => "other",
@@ -172,6 +261,7 @@ pub fn router(reader: Reader, metrics: Option<PrometheusHandle>, limits: &ServeL
     let mut router = Router::new()
         .route("/v1/posts/{id}/likes", get(one))
         .route("/v1/likes", get(many))
+        .route("/v1/trending", get(trending))
         .route(
             "/healthz",
             get(|| async { Json(json!({ "status": "ok" })) }),
