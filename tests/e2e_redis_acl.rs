@@ -702,19 +702,15 @@ fn on_a_cluster_every_command_needs_its_rule_and_the_cluster_addition() {
 
 /// What the packed layout adds to the rules of the commands that write counters, from `tally
 /// docs acl`.
-fn published_packed_addition() -> Vec<String> {
-    published_addition("run and rebuild with --layout packed")
-}
-
-/// `tally run --layout packed` counts every event under `run`'s rule and the packed addition,
-/// and without any one permission of the addition stops with an error that names it, having
-/// counted nothing.
-#[test]
-fn the_packed_layout_needs_its_addition() {
+/// `tally run <flags>` counts every event under `run`'s rule and the addition `tally docs acl`
+/// publishes for `whose`, and without any one permission of the addition stops with an error
+/// that names it, having counted nothing; what it wrote matches `written`.
+fn run_needs_its_addition(flags: &[&str], whose: &str, written: &str) {
     let (mut lab, mut ctx) = setup(Store::Single(RedisServer::start()));
-    ctx.extra.extend(owned(&["--layout", "packed"]));
+    ctx.extra.extend(owned(flags));
     let rules = published_rules();
-    let added = published_packed_addition();
+    let added = published_addition(whose);
+    let shown = flags.join(" ");
     let rule = |without: Option<&str>| -> Vec<String> {
         let mut rule: Vec<String> = rules["run"].all.clone();
         for p in &added {
@@ -733,22 +729,43 @@ fn the_packed_layout_needs_its_addition() {
         match count_everything(&ctx, &url, &on) {
             Err(said) => assert!(
                 said.contains(&format!("'{permission}'")),
-                "tally run --layout packed without +{permission} failed without naming it:\n{said}"
+                "tally run {shown} without +{permission} failed without naming it:\n{said}"
             ),
-            Ok(said) => panic!("tally run --layout packed worked without +{permission}:\n{said}"),
+            Ok(said) => panic!("tally run {shown} worked without +{permission}:\n{said}"),
         }
         assert!(
             lab.counts(&on).values().all(|&c| c == 0),
             "counted without +{permission}"
         );
-        eprintln!("[e2e_redis_acl] tally run --layout packed refused without +{permission}");
+        eprintln!("[e2e_redis_acl] tally run {shown} refused without +{permission}");
     }
     let prefix = ctx.run.prefix.clone();
     let rule = rule(None);
     let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
     let url = lab.user(&prefix, &rule);
-    count_everything(&ctx, &url, &prefix).expect("tally run --layout packed under its rule");
-    let hashes = scan_keys(&mut lab.admins[0], &format!("{prefix}:packed:*"));
-    assert!(!hashes.is_empty(), "nothing packed under {prefix}");
+    count_everything(&ctx, &url, &prefix)
+        .unwrap_or_else(|e| panic!("tally run {shown} under its rule: {e}"));
+    let keys = scan_keys(&mut lab.admins[0], &format!("{prefix}:{written}"));
+    assert!(!keys.is_empty(), "nothing under {prefix}:{written}");
     assert_exact(&mut lab, &prefix, &ctx.truth());
+}
+
+/// `tally run --layout packed` needs the packed addition.
+#[test]
+fn the_packed_layout_needs_its_addition() {
+    run_needs_its_addition(
+        &["--layout", "packed"],
+        "run and rebuild with --layout packed",
+        "packed:*",
+    );
+}
+
+/// `tally run --windows` needs the windows' addition.
+#[test]
+fn windows_need_their_addition() {
+    run_needs_its_addition(
+        &["--windows", "1h"],
+        "run and rebuild with --windows",
+        "win:*",
+    );
 }

@@ -44,6 +44,11 @@ pub const RULES: &[Rule] = &[
         warns: &[],
     },
     Rule {
+        command: "top",
+        needs: &["ping", "hmget", "hgetall", "zrevrangebyscore"],
+        warns: &[],
+    },
+    Rule {
         command: "inspect",
         needs: &["ping", "get", "hget", "hmget", "hgetall"],
         warns: &[],
@@ -112,8 +117,15 @@ pub const CLUSTER: &[&str] = &["cluster|slots"];
 /// reports the fullest hash with HLEN.
 pub const PACKED: &[&str] = &["hincrby", "hdel", "hlen"];
 
-/// The commands whose rules [`PACKED`] adds to.
-pub const PACKED_WRITERS: &[&str] = &["run", "rebuild"];
+/// What windows of trending counts add to the rules of the commands that
+/// write counters: the apply script checks each window set's type, adds with
+/// ZINCRBY, takes a post at 0 out with ZREM and sets the expiry with
+/// PEXPIREAT.
+pub const WINDOWS: &[&str] = &["zincrby", "zrem", "pexpireat", "type"];
+
+/// What windows add to `tally serve`'s rule: a post's likes in a window
+/// (ZSCORE) and the trending list (ZREVRANGEBYSCORE).
+pub const WINDOW_READS: &[&str] = &["zscore", "zrevrangebyscore"];
 
 /// What each permission is for.
 const USES: &[(&str, &str)] = &[
@@ -198,6 +210,27 @@ const USES: &[(&str, &str)] = &[
         "naming the server and its version at start (refused, tally warns and goes on unchecked); counting the primaries' replicas, which routing versions wait for with `--registry-replicas auto` (refused, they wait for none, with a warning; `promote`, `demote` and `rebucket` do the same)",
     ),
     ("cluster|slots", "the slot map of a cluster"),
+    (
+        "zincrby",
+        "a post's likes in a window, in the apply script (windows: refused, nothing is written)",
+    ),
+    (
+        "zrem",
+        "a post whose likes in a window come back to 0, in the apply script (windows)",
+    ),
+    (
+        "pexpireat",
+        "a window's expiry, in the apply script (windows)",
+    ),
+    (
+        "type",
+        "a window set's type, checked before the apply script's first write (windows)",
+    ),
+    (
+        "zscore",
+        "a post's likes in one window (`serve` with windows)",
+    ),
+    ("zrevrangebyscore", "the trending list of a window"),
 ];
 
 /// The rule `command` needs, as `ACL SETUSER` arguments after the key pattern.
@@ -243,12 +276,18 @@ pub fn table() -> String {
         } else {
             users.join(", ")
         };
-        if PACKED.contains(&permission) {
-            let packed = format!("{} with --layout packed", PACKED_WRITERS.join(" and "));
-            users = match users.is_empty() {
-                true => packed,
-                false => format!("{users}; {packed}"),
-            };
+        let additions = [
+            (PACKED, "run and rebuild with --layout packed"),
+            (WINDOWS, "run and rebuild with --windows"),
+            (WINDOW_READS, "serve with windows"),
+        ];
+        for (added, whose) in additions {
+            if added.contains(&permission) {
+                users = match users.is_empty() {
+                    true => whose.to_string(),
+                    false => format!("{users}; {whose}"),
+                };
+            }
         }
         let _ = writeln!(out, "| `+{}` | {users} | {what} |", cell(permission));
     }
@@ -268,6 +307,8 @@ mod tests {
                 .chain(rule.warns)
                 .chain(CLUSTER)
                 .chain(PACKED)
+                .chain(WINDOWS)
+                .chain(WINDOW_READS)
             {
                 let explained = USES.iter().filter(|(p, _)| p == permission).count();
                 assert_eq!(explained, 1, "+{permission} of `tally {}`", rule.command);
@@ -278,7 +319,9 @@ mod tests {
                 .iter()
                 .any(|r| r.needs.contains(permission) || r.warns.contains(permission));
             assert!(
-                used || CLUSTER.contains(permission) || PACKED.contains(permission),
+                used || [CLUSTER, PACKED, WINDOWS, WINDOW_READS]
+                    .iter()
+                    .any(|added| added.contains(permission)),
                 "+{permission} is unused"
             );
         }
