@@ -376,3 +376,94 @@ fn a_start_with_other_windows_is_refused() {
     same.assert_running();
     same.sigterm_and_wait(Duration::from_secs(20));
 }
+
+/// `tally verify` recounts every window and trending list and agrees with the live consumer,
+/// finds a window count changed behind tally's back, and `tally rebuild` rebuilds the windows
+/// exactly into a new generation.
+#[test]
+fn verify_and_rebuild_reach_the_live_windows() {
+    let run = Scenario::new("e2e_windows", "windows-verify", 2);
+    let redis = RedisServer::start();
+    let records: Vec<Record> = records(run.seed)
+        .into_iter()
+        .take(8_000)
+        .map(|r| Record {
+            partition: r.partition % 2,
+            ..r
+        })
+        .collect();
+    let expected = truth(&records);
+    produce_records(&run.brokers, &run.topic, &records);
+    let mut args = run.tally_args(&redis.url());
+    args.extend(
+        [
+            "--windows",
+            "1m,1h,1d",
+            "--window-lateness",
+            "30s",
+            "--window-retention",
+            "3d",
+        ]
+        .map(String::from),
+    );
+    let mut tally = Tally::spawn_args("tally-verify", &args);
+    let mut conn = redis.conn();
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(records.len()),
+        Duration::from_secs(90),
+        || tally.assert_running(),
+    );
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    assert_eq!(stored(&mut conn, &run.prefix), expected);
+
+    let verify = || {
+        let mut all = vec!["verify".to_string()];
+        all.extend(args.iter().cloned());
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        tally_cli(&refs)
+    };
+    let out = verify();
+    let text = output_text(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("0 counts of a post in a window and 0 trending lists drift"),
+        "{text}"
+    );
+
+    // One post's likes in one hour, raised behind tally's back.
+    let (&(_, start, post), _) = expected
+        .iter()
+        .find(|((size, _, _), likes)| *size == HOUR && **likes > 0)
+        .unwrap();
+    let key = scan_keys(&mut conn, &format!("{}:win:1h:{start}*", run.prefix)).remove(0);
+    let _: f64 = redis::cmd("ZINCRBY")
+        .arg(&key)
+        .arg(1_000)
+        .arg(&post.to_be_bytes()[..])
+        .query(&mut conn)
+        .unwrap();
+    let out = verify();
+    let text = output_text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&post.to_string()) && text.contains("trending list differs"),
+        "{text}"
+    );
+
+    let mut rebuild = Tally::spawn_command(
+        "rebuild",
+        "rebuild",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let status = rebuild.wait_exit(Duration::from_secs(180));
+    assert!(
+        status.success(),
+        "rebuild failed:\n{}",
+        rebuild.log_tail(40)
+    );
+    let rebuilt = format!("{}:g1", run.prefix);
+    assert_eq!(stored(&mut conn, &rebuilt), expected);
+    let out = verify();
+    assert!(out.status.success(), "{}", output_text(&out));
+}

@@ -224,6 +224,40 @@ pub fn scan_counters(
     })
 }
 
+/// Calls `each` with every post's likes in every window set under
+/// `layout`'s prefix, node by node (a ZRANGE each); a member that names no
+/// post is an error naming it.
+pub fn scan_windows(
+    target: &Target,
+    layout: &KeyLayout,
+    mut each: impl FnMut(crate::domain::windows::WindowSize, i64, u64, i64),
+) -> Result<(), RedisError> {
+    scan(target, &layout.windows_pattern(), |conn, keys| {
+        for key in keys {
+            let Some((size, start)) = layout.parse_window_key(&key) else {
+                continue;
+            };
+            let members: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
+                .arg(&key)
+                .arg(0)
+                .arg(-1)
+                .arg("WITHSCORES")
+                .query(conn)?;
+            for (member, likes) in members {
+                let post = crate::domain::windows::post_of(&member).ok_or_else(|| {
+                    RedisError::from((
+                        redis::ErrorKind::UnexpectedReturnType,
+                        "not a window member",
+                        format!("{key} member {member:?}"),
+                    ))
+                })?;
+                each(size, start, post, likes as i64);
+            }
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

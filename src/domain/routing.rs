@@ -229,6 +229,19 @@ impl KeyLayout {
         format!("{}:win:*", self.prefix)
     }
 
+    /// The size and start of a window set's key; `None` for any other key.
+    pub fn parse_window_key(&self, key: &str) -> Option<(WindowSize, i64)> {
+        let rest = key
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(":win:")?;
+        let rest = match rest.find(":{") {
+            Some(at) => &rest[..at],
+            None => rest,
+        };
+        let (size, start) = rest.split_once(':')?;
+        Some((size.parse().ok()?, start.parse().ok()?))
+    }
+
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix

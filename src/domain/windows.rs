@@ -88,7 +88,7 @@ impl fmt::Display for WindowSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (unit, letter) = UNITS
             .into_iter()
-            .find(|&(unit, _)| self.0 % unit == 0)
+            .find(|&(unit, _)| self.0.is_multiple_of(unit))
             .unwrap_or((1_000, 's'));
         write!(f, "{}{letter}", self.0 / unit)
     }
@@ -262,7 +262,7 @@ impl fmt::Display for Millis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
             0 => f.write_str("0s"),
-            ms if ms % 1_000 == 0 => WindowSize(ms).fmt(f),
+            ms if ms.is_multiple_of(1_000) => WindowSize(ms).fmt(f),
             ms => write!(f, "{ms}ms"),
         }
     }

@@ -22,6 +22,12 @@
 //! when the posts checked have all their events in those partitions (keyed
 //! by post), since a count sums every partition.
 //!
+//! Windows of trending counts are recounted by the same rule as the live
+//! consumer's (see [`crate::domain::windows`]), read in the same round as
+//! the counts, and compared post by post and window by window, and so is
+//! each window's trending list. A window whose set has expired, or expires
+//! within a minute, is left out: its counts are gone by design.
+//!
 //! Retention deletes the oldest offsets of every long-lived topic, and the
 //! counts keep their events. A partition whose origin lies below the log's
 //! start is recounted from the start, and the offsets before it are reported
@@ -38,8 +44,10 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rustc_hash::FxHashMap;
 
-use crate::domain::placement::scan_counters;
+use crate::domain::placement::{scan_counters, scan_windows};
 use crate::domain::routing::KeyLayout;
+use crate::domain::versions::wall_ms;
+use crate::domain::windows::{self, DEFAULT_TOP_K, Placed, Ranked, WindowSize, Windows};
 use crate::infra::config::{RunSettings, with_fetch_settings};
 use crate::infra::store::Target;
 use crate::ops::{OpError, open_applier};
@@ -90,7 +98,32 @@ pub struct Report {
     /// deleted them), by partition and offset: the counts hold their events,
     /// and no recount can check them.
     pub gone: Vec<Gone>,
+    /// Windows compared (one per size and start), and those left out as
+    /// expired.
+    pub windows: (usize, usize),
+    /// Posts whose likes in a window differ from the recount.
+    pub window_drift: Vec<WindowDrift>,
+    /// Windows whose trending list differs from the recount's.
+    pub top_drift: Vec<(WindowSize, i64)>,
 }
+
+/// One post whose likes in one window differ from the recount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowDrift {
+    /// The window's size.
+    pub size: WindowSize,
+    /// Its start (milliseconds since the epoch).
+    pub start: i64,
+    /// The post.
+    pub post_id: u64,
+    /// The sum of its likes in the window, by the rule.
+    pub expected: i64,
+    /// What the window's set holds.
+    pub stored: i64,
+}
+
+/// A post's likes in one window: (size, start, post).
+type Cell = (WindowSize, i64, u64);
 
 /// Offsets `from..=to` of a partition, counted and deleted from the log since.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +151,10 @@ struct Recount {
     /// walked from the origin like the first owner's.
     dedupe: DedupeSettings,
     windows: HashMap<i32, Window>,
+    /// The windows of trending counts the generation keeps, and the
+    /// recount's likes in them.
+    kept: Windows,
+    window_sums: FxHashMap<Cell, i64>,
     /// Ranges the log no longer held when the recount reached them.
     gone: BTreeMap<i32, Vec<(i64, i64)>>,
 }
@@ -215,6 +252,16 @@ impl Recount {
                     && self.only.as_ref().is_none_or(|o| o.contains(&like.post_id))
                 {
                     *self.sums.entry(like.post_id).or_insert(0) += like.delta;
+                    for &size in self.kept.sizes() {
+                        if let Some(Placed::In(start)) =
+                            self.kept.place(size, like.event_time_ms, timestamp)
+                        {
+                            *self
+                                .window_sums
+                                .entry((size, start, like.post_id))
+                                .or_insert(0) += like.delta;
+                        }
+                    }
                 }
                 self.next.insert(p, offset + 1);
             }
@@ -289,10 +336,12 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         decoder: Decoder::new(&settings.schema_ids),
         dedupe: settings.dedupe,
         windows: HashMap::new(),
+        kept: layout.windows().clone(),
+        window_sums: FxHashMap::default(),
         gone: BTreeMap::new(),
     };
     let rounds = options.rounds.max(1);
-    let (settled, fences) =
+    let (settled, stored_windows, fences) =
         settle(&mut recount, &applier, &reader, (current, &layout), &partitions, rounds)
             .await?
             .ok_or_else(|| {
@@ -310,6 +359,12 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         .filter(|d| d.expected != d.stored)
         .collect();
     drift.sort_by_key(|d| (std::cmp::Reverse((d.stored - d.expected).abs()), d.post_id));
+    let compared = compare_windows(&recount, &stored_windows, wall_ms());
+    let top_drift = match recount.only {
+        // The leaders of some posts say nothing of a window's list.
+        Some(_) => Vec::new(),
+        None => top_drift(&reader, &compared.expected, &compared.live).await?,
+    };
     Ok(Report {
         generation: current,
         prefix: layout.prefix().to_string(),
@@ -318,7 +373,98 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         partitions: partitions.len(),
         drift,
         gone: gone_up_to(&recount.gone, &fences),
+        windows: (compared.live.len(), compared.expired),
+        window_drift: compared.drift,
+        top_drift,
     })
+}
+
+/// The recount's windows beside the stored ones.
+struct Compared {
+    /// The windows compared: kept, and not expiring within a minute.
+    live: BTreeSet<(WindowSize, i64)>,
+    /// Windows left out as expired.
+    expired: usize,
+    /// The recount's non-zero likes in the live windows.
+    expected: BTreeMap<Cell, i64>,
+    drift: Vec<WindowDrift>,
+}
+
+/// Compares the recount's windows with `stored` at `now_ms`.
+fn compare_windows(recount: &Recount, stored: &BTreeMap<Cell, i64>, now_ms: i64) -> Compared {
+    let kept = &recount.kept;
+    let all: BTreeSet<(WindowSize, i64)> = recount
+        .window_sums
+        .keys()
+        .chain(stored.keys())
+        .map(|&(size, start, _)| (size, start))
+        .collect();
+    let (live, expired): (BTreeSet<_>, BTreeSet<_>) = all
+        .into_iter()
+        .partition(|&(size, start)| kept.expires_at(size, start) > now_ms + 60_000);
+    let wanted = |post: u64| recount.only.as_ref().is_none_or(|o| o.contains(&post));
+    let expected: BTreeMap<Cell, i64> = recount
+        .window_sums
+        .iter()
+        .filter(|&(&(size, start, post), &likes)| {
+            likes != 0 && live.contains(&(size, start)) && wanted(post)
+        })
+        .map(|(&cell, &likes)| (cell, likes))
+        .collect();
+    let found: BTreeMap<Cell, i64> = stored
+        .iter()
+        .filter(|&(&(size, start, post), &likes)| {
+            likes != 0 && live.contains(&(size, start)) && wanted(post)
+        })
+        .map(|(&cell, &likes)| (cell, likes))
+        .collect();
+    let cells: BTreeSet<Cell> = expected.keys().chain(found.keys()).copied().collect();
+    let drift = cells
+        .into_iter()
+        .filter_map(|cell| {
+            let (e, f) = (
+                expected.get(&cell).copied().unwrap_or(0),
+                found.get(&cell).copied().unwrap_or(0),
+            );
+            (e != f).then_some(WindowDrift {
+                size: cell.0,
+                start: cell.1,
+                post_id: cell.2,
+                expected: e,
+                stored: f,
+            })
+        })
+        .collect();
+    Compared {
+        live,
+        expired: expired.len(),
+        expected,
+        drift,
+    }
+}
+
+/// The live windows whose trending list, as readers get it, differs from
+/// the recount's leaders.
+async fn top_drift(
+    reader: &Reader,
+    expected: &BTreeMap<Cell, i64>,
+    live: &BTreeSet<(WindowSize, i64)>,
+) -> Result<Vec<(WindowSize, i64)>, OpError> {
+    let mut differ = Vec::new();
+    for &(size, start) in live {
+        let mut leaders: Vec<Ranked> = expected
+            .range((size, start, 0)..=(size, start, u64::MAX))
+            .map(|(&(_, _, post_id), &likes)| Ranked { post_id, likes })
+            .filter(|r| r.likes > 0)
+            .collect();
+        leaders.sort_unstable_by(windows::rank_order);
+        leaders.truncate(DEFAULT_TOP_K);
+        let listed = reader.trending(size, Some(start), DEFAULT_TOP_K).await?;
+        if listed.posts != leaders {
+            differ.push((size, start));
+        }
+    }
+    Ok(differ)
 }
 
 /// The ranges gone from the log, cut at each partition's fence (offsets
@@ -349,7 +495,7 @@ async fn settle(
     (current, layout): (u64, &KeyLayout),
     partitions: &[i32],
     rounds: u32,
-) -> Result<Option<(Vec<Count>, HashMap<i32, i64>)>, OpError> {
+) -> Result<Option<Settled>, OpError> {
     let mut before = fences(applier, partitions).await?;
     for _ in 0..rounds {
         let Ok(read) = before.clone() else {
@@ -376,6 +522,10 @@ async fn settle(
             }
         };
         let counts = reader.counts(&posts).await?;
+        let stored_windows = match layout.windows().is_empty() {
+            true => BTreeMap::new(),
+            false => stored_windows(applier.fence_reader().target(), layout).await?,
+        };
         let after = fences(applier, partitions).await?;
         if reader.layout().await?.0 != current {
             return Err(OpError::Refused(
@@ -383,11 +533,30 @@ async fn settle(
             ));
         }
         if after.as_ref().ok() == Some(&read) {
-            return Ok(Some((counts, up_to)));
+            return Ok(Some((counts, stored_windows, up_to)));
         }
         before = after;
     }
     Ok(None)
+}
+
+/// What a settled round read: the counts, the windows, and the fences.
+type Settled = (Vec<Count>, BTreeMap<Cell, i64>, HashMap<i32, i64>);
+
+/// Every post's likes in every window set of the generation of `layout`.
+async fn stored_windows(
+    target: &Target,
+    layout: &KeyLayout,
+) -> Result<BTreeMap<Cell, i64>, OpError> {
+    let (target, layout) = (target.clone(), layout.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut found = BTreeMap::new();
+        scan_windows(&target, &layout, |size, start, post, likes| {
+            found.insert((size, start, post), likes);
+        })?;
+        Ok(found)
+    })
+    .await?
 }
 
 /// Posts with a counter key in the generation of `layout`.

@@ -353,9 +353,16 @@ pub async fn verify(matches: &ArgMatches, command: &VerifyCommand) -> Result<()>
         ))
         .into());
     }
-    match report.drift.len() {
-        0 => Ok(()),
-        n => bail!("{n} posts differ from the topic"),
+    match (
+        report.drift.len(),
+        report.window_drift.len(),
+        report.top_drift.len(),
+    ) {
+        (0, 0, 0) => Ok(()),
+        (n, 0, 0) => bail!("{n} posts differ from the topic"),
+        (n, w, t) => bail!(
+            "{n} posts, {w} counts of a post in a window and {t} trending lists differ from the topic"
+        ),
     }
 }
 
@@ -392,6 +399,39 @@ fn verify_text(report: &Report) -> String {
                 d.stored - d.expected
             );
         }
+    }
+    if !report.window_drift.is_empty() {
+        let _ = writeln!(
+            text,
+            "{:>6}  {:>14}  {:>20}  {:>14}  {:>14}",
+            "window", "start (ms)", "post", "expected", "stored"
+        );
+        for d in &report.window_drift {
+            let _ = writeln!(
+                text,
+                "{:>6}  {:>14}  {:>20}  {:>14}  {:>14}",
+                d.size.to_string(),
+                d.start,
+                d.post_id,
+                d.expected,
+                d.stored
+            );
+        }
+    }
+    for (size, start) in &report.top_drift {
+        let _ = writeln!(
+            text,
+            "window {size} from {start}: the trending list differs from the recount's leaders"
+        );
+    }
+    let (compared, expired) = report.windows;
+    if compared + expired > 0 {
+        let _ = writeln!(
+            text,
+            "{compared} windows checked ({expired} expired, left out); {} counts of a post in a window and {} trending lists drift",
+            report.window_drift.len(),
+            report.top_drift.len()
+        );
     }
     let _ = writeln!(
         text,
