@@ -166,7 +166,11 @@ fn a_window_key_of_another_type_refuses_the_call_and_writes_nothing() {
         }
         let mut all: Vec<String> = conn.keys("t:*").unwrap();
         all.sort();
-        assert_eq!(all, std::slice::from_ref(&stray), "{name}: the refused call wrote");
+        assert_eq!(
+            all,
+            std::slice::from_ref(&stray),
+            "{name}: the refused call wrote"
+        );
         let value: String = conn.get(&stray).unwrap();
         assert_eq!(value, "not a set");
     }

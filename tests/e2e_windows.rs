@@ -1,9 +1,11 @@
 //! Windows of trending counts end to end, on Apache Kafka and a real Redis: likes stamped
 //! across a UTC midnight, out of order, late, without an event time and with a clock ahead of
-//! the log, counted by `tally run --windows 1m,1h,1d` through SIGKILLs. Every window of every
+//! the log, counted by `tally run --windows 1m,1h,1d` through SIGKILLs and a Redis restart
+//! from its AOF, and on a Redis Cluster with a hot post's buckets in several slot groups. Every window of every
 //! post, the lifetime counts and the trending lists equal a ground truth this test computes
 //! from the records it wrote, by its own reading of the rule in docs/contract.md.
 
+mod cluster;
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
@@ -116,6 +118,16 @@ fn size_name(size: i64) -> &'static str {
 /// `<prefix>:win:<size>:<start>[:{tag}]`, members 8-byte big-endian post ids.
 fn stored(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<(i64, i64, u64), i64> {
     let mut all = BTreeMap::new();
+    stored_into(conn, prefix, &mut all);
+    all
+}
+
+/// [`stored`] over the keys one connection's server holds, into `all`.
+fn stored_into(
+    conn: &mut redis::Connection,
+    prefix: &str,
+    all: &mut BTreeMap<(i64, i64, u64), i64>,
+) {
     for key in scan_keys(conn, &format!("{prefix}:win:*")) {
         let rest = key.strip_prefix(&format!("{prefix}:win:")).unwrap();
         let mut parts = rest.split(':');
@@ -142,7 +154,6 @@ fn stored(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<(i64, i64, u64
             );
         }
     }
-    all
 }
 
 /// Produces `records` with their own timestamps, in order per partition.
@@ -180,16 +191,51 @@ fn produce_records(brokers: &str, topic: &str, records: &[Record]) {
     });
 }
 
-#[test]
-fn windows_are_exact_across_midnight_late_likes_and_kills() {
-    let run = Scenario::new("e2e_windows", "windows", PARTITIONS);
-    let (brokers, topic, prefix) = (&run.brokers, &run.topic, &run.prefix);
-    let mut rng = StdRng::seed_from_u64(run.seed ^ 0x7e4d);
-    let redis = RedisServer::start();
-    let records = records(run.seed);
-    let expected = truth(&records);
+/// The trending list of each hour and day, as `tally top` prints it, equals the leaders of
+/// `expected`, ties broken by the larger post id.
+fn assert_trending(url: &str, prefix: &str, expected: &BTreeMap<(i64, i64, u64), i64>) {
+    let windows: std::collections::BTreeSet<(i64, i64)> = expected
+        .keys()
+        .filter(|(size, _, _)| *size != MINUTE)
+        .map(|&(size, start, _)| (size, start))
+        .collect();
+    for (size, start) in windows {
+        let mut leaders: Vec<(i64, u64)> = expected
+            .iter()
+            .filter(|((s, w, _), likes)| (*s, *w) == (size, start) && **likes > 0)
+            .map(|(&(_, _, post), &likes)| (likes, post))
+            .collect();
+        leaders.sort_unstable_by(|a, b| b.cmp(a));
+        leaders.truncate(10);
+        let out = tally_cli(&[
+            "top",
+            "--redis",
+            url,
+            "--prefix",
+            prefix,
+            "--window",
+            size_name(size),
+            "--at",
+            &(start + 1).to_string(),
+            "--limit",
+            "10",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", output_text(&out));
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let listed: Vec<(i64, u64)> = answer["posts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["likes"].as_i64().unwrap(), p["post_id"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(listed, leaders, "top 10 of {} at {start}", size_name(size));
+        assert_eq!(answer["start_ms"].as_i64(), Some(start));
+    }
+}
 
-    let mut args = run.tally_args(&redis.url());
+/// The arguments of a windowed `tally run`.
+fn windowed(mut args: Vec<String>) -> Vec<String> {
     args.extend(
         [
             "--windows",
@@ -198,11 +244,23 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
             "30s",
             "--window-retention",
             "3d",
-            "--batch-max-events",
-            "2000",
         ]
         .map(String::from),
     );
+    args
+}
+
+#[test]
+fn windows_are_exact_across_midnight_late_likes_and_kills() {
+    let run = Scenario::new("e2e_windows", "windows", PARTITIONS);
+    let (brokers, topic, prefix) = (&run.brokers, &run.topic, &run.prefix);
+    let mut rng = StdRng::seed_from_u64(run.seed ^ 0x7e4d);
+    let mut redis = RedisServer::start_with_aof();
+    let records = records(run.seed);
+    let expected = truth(&records);
+
+    let mut args = windowed(run.tally_args(&redis.url()));
+    args.extend(["--batch-max-events", "2000"].map(String::from));
     let half = EVENTS / 2;
     produce_records(brokers, topic, &records[..half]);
     let rest = records[half..].to_vec();
@@ -228,6 +286,10 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
         eprintln!("[e2e_windows] kill {kill}/{KILLS}");
         tally = Tally::spawn_args(&format!("tally-{}", kill + 1), &args);
     }
+    // Redis killed and started again from its AOF while the consumer keeps applying.
+    redis.restart();
+    eprintln!("[e2e_windows] redis-server restarted from its AOF");
+    let mut conn = redis.conn();
     producer.join().unwrap();
     let hwms = run.hwms(EVENTS);
     let started = Instant::now();
@@ -290,47 +352,7 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
         .unwrap();
     assert_eq!(expiry, start + size + 3 * DAY, "{} (post {post})", key[0]);
 
-    // The trending list of each hour and day equals the truth's leaders, ties broken by the
-    // larger post id.
-    let url = redis.url();
-    for (size, start) in expected
-        .keys()
-        .filter(|(size, _, _)| *size != MINUTE)
-        .map(|&(size, start, _)| (size, start))
-        .collect::<std::collections::BTreeSet<_>>()
-    {
-        let mut leaders: Vec<(i64, u64)> = expected
-            .iter()
-            .filter(|((s, w, _), likes)| (*s, *w) == (size, start) && **likes > 0)
-            .map(|(&(_, _, post), &likes)| (likes, post))
-            .collect();
-        leaders.sort_unstable_by(|a, b| b.cmp(a));
-        leaders.truncate(10);
-        let out = tally_cli(&[
-            "top",
-            "--redis",
-            &url,
-            "--prefix",
-            prefix,
-            "--window",
-            size_name(size),
-            "--at",
-            &(start + 1).to_string(),
-            "--limit",
-            "10",
-            "--json",
-        ]);
-        assert!(out.status.success(), "{}", output_text(&out));
-        let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let listed: Vec<(i64, u64)> = answer["posts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| (p["likes"].as_i64().unwrap(), p["post_id"].as_u64().unwrap()))
-            .collect();
-        assert_eq!(listed, leaders, "top 10 of {} at {start}", size_name(size));
-        assert_eq!(answer["start_ms"].as_i64(), Some(start));
-    }
+    assert_trending(&redis.url(), prefix, &expected);
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");
@@ -394,18 +416,7 @@ fn verify_and_rebuild_reach_the_live_windows() {
         .collect();
     let expected = truth(&records);
     produce_records(&run.brokers, &run.topic, &records);
-    let mut args = run.tally_args(&redis.url());
-    args.extend(
-        [
-            "--windows",
-            "1m,1h,1d",
-            "--window-lateness",
-            "30s",
-            "--window-retention",
-            "3d",
-        ]
-        .map(String::from),
-    );
+    let args = windowed(run.tally_args(&redis.url()));
     let mut tally = Tally::spawn_args("tally-verify", &args);
     let mut conn = redis.conn();
     run.wait_applied(
@@ -466,4 +477,51 @@ fn verify_and_rebuild_reach_the_live_windows() {
     assert_eq!(stored(&mut conn, &rebuilt), expected);
     let out = verify();
     assert!(out.status.success(), "{}", output_text(&out));
+}
+
+/// On a cluster of three primaries with 16 slot groups and 8 buckets a post, every post's
+/// buckets lie in several groups, yet it keeps one member per window, in the set of its bucket
+/// 0's group, and the trending lists merged over the groups equal the truth's leaders.
+#[test]
+fn on_a_cluster_a_post_spread_over_groups_keeps_whole_windows_and_an_exact_merge() {
+    const GROUPS: &str = "16";
+    let cluster = cluster::RedisCluster::start(3, 0);
+    let run = Scenario::new("e2e_windows", "windows-cluster", PARTITIONS);
+    let records: Vec<Record> = records(run.seed).into_iter().take(16_000).collect();
+    let expected = truth(&records);
+    produce_records(&run.brokers, &run.topic, &records);
+    let mut args = windowed(run.tally_args(&cluster.url()));
+    args.extend(["--slot-groups", GROUPS, "--buckets", "8"].map(String::from));
+    let mut tally = Tally::spawn_args("tally-cluster", &args);
+    let hwms = run.hwms(records.len());
+    cluster.wait_applied(
+        &run.prefix,
+        &run.group,
+        &run.topic,
+        &hwms,
+        16,
+        Duration::from_secs(180),
+        || tally.assert_running(),
+    );
+    // Post 1, which takes about a fifth of the likes, has counters in several groups.
+    let places = cluster.post_places(&run.prefix, 1);
+    let tags: std::collections::BTreeSet<&str> = places
+        .iter()
+        .filter_map(|p| p.key.rsplit_once(":{").map(|(_, tag)| tag))
+        .collect();
+    assert!(
+        tags.len() > 1,
+        "post 1's buckets are in one slot group: {tags:?}"
+    );
+    let mut got = BTreeMap::new();
+    for (port, _) in cluster.primaries() {
+        let mut conn = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        stored_into(&mut conn, &run.prefix, &mut got);
+    }
+    assert_eq!(got, expected);
+    assert_trending(&cluster.url(), &run.prefix, &expected);
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
 }
