@@ -35,6 +35,24 @@ fn serve(extra: &[&str]) -> Served {
     let prefix = unique("api");
     let mut conn = redis.conn();
     write_layout_record(&mut conn, &prefix, 4);
+    // Windows of one minute, one hour and one day, with post 1 in the current hour.
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{prefix}:layout"))
+        .arg(&[
+            ("format", "4"),
+            ("windows", "1m,1h,1d"),
+            ("window_lateness_ms", "300000"),
+            ("window_retention_ms", "86400000"),
+        ])
+        .query(&mut conn)
+        .unwrap();
+    let hour = now_ms() / 3_600_000 * 3_600_000;
+    let _: () = redis::cmd("ZADD")
+        .arg(format!("{prefix}:win:1h:{hour}"))
+        .arg(3)
+        .arg(&1u64.to_be_bytes()[..])
+        .query(&mut conn)
+        .unwrap();
     let _: () = redis::cmd("SET")
         .arg(format!("{prefix}:likes:1:0"))
         .arg(5)

@@ -80,7 +80,9 @@ impl WindowSize {
 
     /// The start of the window of this size holding `time_ms`.
     pub fn start_of(self, time_ms: i64) -> i64 {
-        time_ms.div_euclid(self.0 as i64) * self.0 as i64
+        time_ms
+            .div_euclid(self.0 as i64)
+            .saturating_mul(self.0 as i64)
     }
 }
 

@@ -98,7 +98,7 @@ impl Reader {
         Window {
             window: size,
             start_ms,
-            end_ms: start_ms + size.ms() as i64,
+            end_ms: start_ms.saturating_add(size.ms() as i64),
         }
     }
 

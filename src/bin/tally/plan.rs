@@ -40,6 +40,7 @@ mod layout;
 mod model;
 mod table;
 mod warn;
+mod windows;
 
 use clap::Args;
 use serde::Serialize;
@@ -153,6 +154,17 @@ pub struct PlanArgs {
     /// --string-bytes on Redis; 3.26 on Valkey, whose scripted HINCRBY costs more).
     #[arg(long, default_value_t = MEASURED_PACKED_CPU_RATIO)]
     pub packed_cpu_ratio: f64,
+    /// Price the windows of trending counts: the distinct posts liked in one window of a size,
+    /// as SIZE=POSTS (1d=10000000), once per size kept [default: none priced].
+    #[arg(long, value_name = "SIZE=POSTS")]
+    pub window_posts: Vec<String>,
+    /// How long a window's set outlives its window, as `tally run --window-retention`.
+    #[arg(long, default_value = "1d")]
+    pub window_retention: String,
+    /// Redis memory one post in one window's set costs (bytes; one set of 1,000,000 posts on
+    /// redis-server 7.0.15; 80 on Valkey 9.1.2).
+    #[arg(long, default_value_t = windows::MEASURED_MEMBER_BYTES)]
+    pub window_member_bytes: f64,
     /// Take the slot map of the live server or cluster --redis names
     /// (redis+cluster://host:port,...) instead of an even split.
     #[arg(long)]
@@ -186,6 +198,9 @@ pub struct Plan {
     /// Both layouts' price, with `--counters`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layouts: Option<Layouts>,
+    /// The windows' price, with `--window-posts`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub windows: Option<windows::Windows>,
     /// Problems found, in words.
     pub warnings: Vec<String>,
 }

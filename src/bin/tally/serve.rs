@@ -1,9 +1,8 @@
 //! Serve: the read path over HTTP (`tally serve`).
 //!
 //! * `GET /v1/posts/{id}/likes` → `{"post_id": 1, "likes": 10, "as_of_ms": ...}`
-//! * `GET /v1/posts/{id}/likes?window=1h[&at=<ms>]` → the post's likes in the
-//!   window of that size holding now (or `at`), with `window`, `start_ms`
-//!   and `end_ms`
+//! * `GET /v1/posts/{id}/likes?window=1h` → the post's likes in the window
+//!   of that size holding now, with `window`, `start_ms` and `end_ms`
 //! * `GET /v1/likes?post_id=1&post_id=2` (1 to `--max-ids` ids) →
 //!   `{"likes": [{"post_id": 1, ...}, ...]}`, in the order asked
 //! * `GET /v1/trending?window=1h[&limit=50][&at=<ms>]` → the posts with the
@@ -118,8 +117,8 @@ fn read_failed(error: ReadError) -> Failure {
     }
 }
 
-/// The window parameters of a query: `window`, `at` and, where `limited`,
-/// `limit`; any other name is refused.
+/// The window parameters of a query: `window` and, on the trending list
+/// (`listed`), `limit` and `at`; any other name is refused.
 #[derive(Default)]
 struct WindowQuery {
     window: Option<String>,
@@ -127,7 +126,7 @@ struct WindowQuery {
     limit: Option<usize>,
 }
 
-fn window_query(query: Option<&str>, limited: bool) -> Result<WindowQuery, Failure> {
+fn window_query(query: Option<&str>, listed: bool) -> Result<WindowQuery, Failure> {
     let mut parsed = WindowQuery::default();
     for pair in query
         .unwrap_or_default()
@@ -137,22 +136,28 @@ fn window_query(query: Option<&str>, limited: bool) -> Result<WindowQuery, Failu
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         match name {
             "window" => parsed.window = Some(value.to_string()),
-            "at" => {
-                parsed.at = Some(value.parse().map_err(|_| {
-                    bad_request(format!("at '{value}' is not milliseconds since the epoch"))
-                })?)
+            "at" if listed => {
+                let at = value
+                    .parse()
+                    .ok()
+                    .filter(|at| (0..=tally::pipeline::decode::MAX_TIMESTAMP_MS).contains(at));
+                parsed.at = Some(at.ok_or_else(|| {
+                    bad_request(format!(
+                        "at '{value}' must be milliseconds since the epoch, up to 2100-01-01"
+                    ))
+                })?);
             }
-            "limit" if limited => {
+            "limit" if listed => {
                 let limit = value.parse().ok().filter(|l| (1..=MAX_TOP_K).contains(l));
                 parsed.limit = Some(limit.ok_or_else(|| {
                     bad_request(format!("limit '{value}' must be between 1 and {MAX_TOP_K}"))
                 })?);
             }
             other => {
-                let known = if limited {
+                let known = if listed {
                     "window, limit and at"
                 } else {
-                    "window and at"
+                    "window"
                 };
                 return Err(bad_request(format!(
                     "unknown parameter '{other}'; this path takes {known}"

@@ -71,6 +71,7 @@ pub fn plan(args: &PlanArgs, live: Option<SlotMap>) -> Result<Plan, ConfigError>
     let warnings = super::warn::warnings(args, &kafka, &hot_post, &redis);
     let dedupe = super::dedupe::dedupe(args, &kafka);
     let layouts = super::layout::layouts(args, &redis);
+    let windows = super::windows::windows(args)?;
     Ok(Plan {
         inputs: args.clone(),
         kafka,
@@ -78,6 +79,7 @@ pub fn plan(args: &PlanArgs, live: Option<SlotMap>) -> Result<Plan, ConfigError>
         redis,
         dedupe,
         layouts,
+        windows,
         warnings,
     })
 }
@@ -403,6 +405,16 @@ mod tests {
         assert!(
             doc.contains(section),
             "docs/sizing.md is stale for the dedupe window:\n{section}"
+        );
+        // So does the windows example.
+        let table = super::super::table::render(&plan_of(
+            "--peak-events 120000 --hot-events 14000 --window-posts 1h=2000000 --window-posts 1d=10000000",
+        ));
+        let at = table.find("Windows (").expect("a windows section");
+        let section = &table[at..table.find("\nWarnings").expect("warnings")];
+        assert!(
+            doc.contains(section),
+            "docs/sizing.md is stale for the windows:\n{section}"
         );
         // So does the layouts example.
         let table = super::super::table::render(&plan_of(

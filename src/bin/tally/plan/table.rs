@@ -52,6 +52,7 @@ pub fn render(plan: &Plan) -> String {
     busiest_primary(&mut out, plan);
     dedupe(&mut out, plan);
     layouts(&mut out, plan);
+    windows(&mut out, plan);
     warnings(&mut out, &plan.warnings);
     out
 }
@@ -267,6 +268,28 @@ fn layouts(out: &mut String, plan: &Plan) {
         row(out, price.layout, &bytes(price.memory_bytes), &note);
     }
     item(out, &l.verdict);
+}
+
+/// The windows' memory, size by size, when priced.
+fn windows(out: &mut String, plan: &Plan) {
+    let Some(w) = &plan.windows else {
+        return;
+    };
+    let n = thousands;
+    let _ = writeln!(
+        out,
+        "\nWindows ({:.0} B a post in a window; sets kept {} past their window)",
+        w.member_bytes, w.retention
+    );
+    for size in &w.sizes {
+        let note = format!(
+            "{} posts a window, {} sets alive",
+            n(size.posts),
+            size.sets_alive
+        );
+        row(out, &size.window, &bytes(size.memory_bytes), &note);
+    }
+    row(out, "total", &bytes(w.memory_bytes), "before replicas");
 }
 
 /// The warnings as a list, or "none".
