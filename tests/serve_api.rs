@@ -284,3 +284,35 @@ fn a_fuzz_run_against_the_published_description_finds_no_fault() {
     assert!(out.status.success(), "schemathesis found faults:\n{text}");
     assert!(!text.contains("500 Internal"), "{text}");
 }
+
+/// The window reads answer from the window's set, and a window the prefix does not keep is a
+/// 400 naming the ones it keeps.
+#[test]
+fn window_reads_answer_from_the_windows_set() {
+    let served = serve(&[]);
+    let (status, body) = get(&served.addr, "/v1/trending?window=1h&limit=5");
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        answer["posts"],
+        serde_json::json!([{"post_id": 1, "likes": 3}])
+    );
+    assert_eq!(answer["window"], "1h");
+    let (status, body) = get(&served.addr, "/v1/posts/1/likes?window=1h");
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["likes"], 3);
+    let (status, body) = get(&served.addr, "/v1/posts/1/likes?window=1m");
+    assert_eq!(
+        (status, body.contains("\"likes\":0")),
+        (200, true),
+        "{body}"
+    );
+    let (status, body) = get(&served.addr, "/v1/trending?window=2h");
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("it keeps 1m,1h,1d"), "{body}");
+    let (status, body) = get(&served.addr, "/v1/trending");
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = get(&served.addr, "/v1/trending?window=1h&limit=0");
+    assert_eq!(status, 400, "{body}");
+}
