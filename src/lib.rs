@@ -18,9 +18,11 @@
 //!   decode      message bytes to a validated like, or a bad-message reason
 //!   dedupe      which records repeat a like (the id and action rules), judged
 //!               against a window of the partition's log; fingerprints: its table
-//!   aggregate   per-partition batches of net deltas per (post, bucket)
+//!   aggregate   per-partition batches of net deltas per (post, bucket), and per
+//!               (post, window)
 //!   apply       a batch behind its fence (apply.lua; apply_packed.lua for packed
-//!               counters); the exactly-once argument;
+//!               counters; windows.lua, the window section of both); the
+//!               exactly-once argument;
 //!               the one reader of fences
 //!   commit      Kafka offsets, only after the script succeeded
 //!   dead_letter copies of bad messages, confirmed before their batch applies
@@ -30,6 +32,8 @@
 //!   fence       the pure apply / duplicate / straddle / gap decision
 //!   routing     the stable hash, buckets and the Redis key layout
 //!   packing     a generation's counters as string keys or as fields of small hashes
+//!   windows     trending windows: which window a like counts in, and the exact
+//!               merge of each slot group's leaders
 //!   slots       Redis Cluster hash slots and slot groups
 //!   versions    routing versions of posts and epochs of the default layout;
 //!               registry: their Redis side (route_*.lua, registry_clock.lua);
@@ -59,7 +63,7 @@
 //!   promote     routing changes by hand
 //!   reset       fences of a replaced log, counted again from its start
 //!   unfreeze    routing made final far ahead brought back, every route kept
-//! read        the read path: the cached, coalescing Reader
+//! read        the read path: the cached, coalescing Reader; trending: window reads
 //! ```
 //!
 //! Layers only import downwards: `infra` imports nothing above it, `domain`
