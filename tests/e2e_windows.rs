@@ -194,6 +194,7 @@ fn produce_records(brokers: &str, topic: &str, records: &[Record]) {
 /// The trending list of each hour and day, as `tally top` prints it, equals the leaders of
 /// `expected`, ties broken by the larger post id.
 fn assert_trending(url: &str, prefix: &str, expected: &BTreeMap<(i64, i64, u64), i64>) {
+    let mut tied = 0;
     let windows: std::collections::BTreeSet<(i64, i64)> = expected
         .keys()
         .filter(|(size, _, _)| *size != MINUTE)
@@ -207,6 +208,7 @@ fn assert_trending(url: &str, prefix: &str, expected: &BTreeMap<(i64, i64, u64),
             .collect();
         leaders.sort_unstable_by(|a, b| b.cmp(a));
         leaders.truncate(10);
+        tied += leaders.windows(2).filter(|w| w[0].0 == w[1].0).count();
         let out = tally_cli(&[
             "top",
             "--redis",
@@ -232,6 +234,7 @@ fn assert_trending(url: &str, prefix: &str, expected: &BTreeMap<(i64, i64, u64),
         assert_eq!(listed, leaders, "top 10 of {} at {start}", size_name(size));
         assert_eq!(answer["start_ms"].as_i64(), Some(start));
     }
+    assert!(tied > 0, "no list had equal counts to order");
 }
 
 /// The arguments of a windowed `tally run`.
@@ -417,7 +420,10 @@ fn verify_and_rebuild_reach_the_live_windows() {
     let expected = truth(&records);
     produce_records(&run.brokers, &run.topic, &records);
     let args = windowed(run.tally_args(&redis.url()));
-    let mut tally = Tally::spawn_args("tally-verify", &args);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut watched = args.clone();
+    watched.extend(["--metrics-addr".to_string(), metrics.clone()]);
+    let mut tally = Tally::spawn_args("tally-verify", &watched);
     let mut conn = redis.conn();
     run.wait_applied(
         &mut conn,
@@ -425,6 +431,24 @@ fn verify_and_rebuild_reach_the_live_windows() {
         Duration::from_secs(90),
         || tally.assert_running(),
     );
+    // Every like too late for a window is counted once for that window, by the rule.
+    let late: usize = records
+        .iter()
+        .map(|r| {
+            let time = if r.event_ms > 0 {
+                r.event_ms.min(r.record_ms)
+            } else {
+                r.record_ms
+            };
+            SIZES
+                .iter()
+                .filter(|&&size| r.record_ms >= time - time.rem_euclid(size) + size + LATENESS)
+                .count()
+        })
+        .sum();
+    let reported = metric_value(&scrape_metrics(&metrics), "tally_window_late_likes_total");
+    assert_eq!(reported, Some(late as f64));
+    assert!(late > 0, "no late like in the workload");
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
     assert_eq!(stored(&mut conn, &run.prefix), expected);
 
