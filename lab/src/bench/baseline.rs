@@ -53,7 +53,8 @@ impl Baseline {
 /// Records the layout the naive consumers write, so tally's reader can
 /// check their counts as it checks tally's.
 async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<()> {
-    super::present::write_record(store, &config.topic, &config.group, DEFAULT_BUCKETS).await
+    let none = tally::domain::windows::Windows::none();
+    super::present::write_record(store, &config.topic, &config.group, DEFAULT_BUCKETS, none).await
 }
 
 /// Runs one baseline until it has handled `--events` messages (or, for the

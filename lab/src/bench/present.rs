@@ -11,8 +11,9 @@
 use anyhow::Result;
 use rustc_hash::FxHashMap;
 
-use tally::domain::layout::{Record, STRINGS_FORMAT, ensure_record, open};
+use tally::domain::layout::{Record, ensure_record, format_for, open};
 use tally::domain::routing::{CounterId, KeyLayout};
+use tally::domain::windows::Windows;
 use tally::infra::config::StoreSettings;
 
 /// Keys set per pipeline while seeding.
@@ -52,33 +53,35 @@ pub(super) fn record(
     topic: &str,
     group: &str,
     buckets: u32,
+    windows: Windows,
 ) -> Result<()> {
     tokio::task::block_in_place(|| {
         tokio::runtime::Handle::current().block_on(async {
             let settings = crate::local::store(redis_url, prefix)?;
-            write_record(&settings, topic, group, buckets).await
+            write_record(&settings, topic, group, buckets, windows).await
         })
     })
 }
 
-/// Writes the layout record of a writer with `buckets` on a single server,
-/// unless the prefix has one.
+/// Writes the layout record of a writer with `buckets` and `windows` on a
+/// single server, unless the prefix has one.
 pub(super) async fn write_record(
     store: &StoreSettings,
     topic: &str,
     group: &str,
     buckets: u32,
+    windows: Windows,
 ) -> Result<()> {
     let opened = open(store).await?;
     let proposed = Record {
-        format: STRINGS_FORMAT,
+        format: format_for(&Default::default(), &windows),
         buckets,
         slot_groups: 1,
         topic: topic.to_string(),
         group: group.to_string(),
         created_at_ms: tally::domain::versions::wall_ms(),
         packed: Default::default(),
-        windows: Default::default(),
+        windows,
     };
     ensure_record(&opened.store, store.prefix(), &proposed).await?;
     Ok(())

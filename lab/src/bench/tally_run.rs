@@ -188,7 +188,8 @@ pub(super) fn measure_backlog(
     let name = &variant.name;
     if variant.present {
         let buckets = buckets_of(variant.args);
-        super::present::record(&env.redis, name, topic, name, buckets)?;
+        let windows = windows_of(variant.args)?;
+        super::present::record(&env.redis, name, topic, name, buckets, windows)?;
         super::present::seed(&mut conn, name, truth, buckets)?;
     }
     let marks = watermarks(&env.brokers, topic, partitions)?;
@@ -343,6 +344,41 @@ impl LatencyPlan {
 /// The buckets per post the measured `tally run` writes: its `--buckets` argument, if given.
 fn buckets(env: &Env) -> u32 {
     buckets_of(&env.tally_args)
+}
+
+/// The value of `--<flag>` in `args` (as `--flag value` or `--flag=value`).
+fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.strip_prefix(flag) {
+            Some("") => return args.next().map(String::as_str),
+            Some(rest) if rest.starts_with('=') => return Some(&rest[1..]),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The windows of trending counts a `tally run` with `args` keeps: its
+/// `--windows`, `--window-lateness` and `--window-retention`, none without.
+fn windows_of(args: &[String]) -> Result<tally::domain::windows::Windows> {
+    use tally::domain::windows::{
+        DEFAULT_LATENESS_MS, DEFAULT_RETENTION_MS, Windows, parse_duration,
+    };
+    let Some(sizes) = flag_value(args, "--windows") else {
+        return Ok(Windows::none());
+    };
+    let duration = |flag: &str, default: u64| -> Result<u64> {
+        Ok(match flag_value(args, flag) {
+            Some(text) => parse_duration(text)?,
+            None => default,
+        })
+    };
+    Ok(Windows::new(
+        Windows::parse_sizes(sizes)?,
+        duration("--window-lateness", DEFAULT_LATENESS_MS)?,
+        duration("--window-retention", DEFAULT_RETENTION_MS)?,
+    )?)
 }
 
 /// The buckets per post of a `tally run` with `args`.
