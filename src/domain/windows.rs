@@ -46,16 +46,11 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// The most window sizes one prefix keeps.
-pub const MAX_WINDOWS: usize = 8;
-/// The smallest window size: one second.
-pub const MIN_SIZE_MS: u64 = 1_000;
-/// The largest window size: 366 days.
-pub const MAX_SIZE_MS: u64 = 366 * 86_400_000;
-/// How late a like may come for its window unless told otherwise.
-pub const DEFAULT_LATENESS_MS: u64 = 5 * 60_000;
-/// How long a window's set is kept after its end unless told otherwise.
-pub const DEFAULT_RETENTION_MS: u64 = 86_400_000;
+pub use crate::infra::config::windows::{
+    DEFAULT_LATENESS_MS, DEFAULT_RETENTION_MS, MAX_SIZE_MS, MAX_WINDOWS, MIN_SIZE_MS, Millis,
+    WindowSettings, parse_duration as parse_millis,
+};
+
 /// Posts a trending read returns unless told otherwise.
 pub const DEFAULT_TOP_K: usize = 100;
 /// The most posts one trending read returns.
@@ -64,13 +59,6 @@ pub const MAX_TOP_K: usize = 1_000;
 /// The length of a window, written `30s`, `5m`, `1h` or `1d`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WindowSize(u64);
-
-const UNITS: [(u64, char); 4] = [
-    (86_400_000, 'd'),
-    (3_600_000, 'h'),
-    (60_000, 'm'),
-    (1_000, 's'),
-];
 
 impl WindowSize {
     /// The size in milliseconds.
@@ -88,35 +76,18 @@ impl WindowSize {
 
 impl fmt::Display for WindowSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (unit, letter) = UNITS
-            .into_iter()
-            .find(|&(unit, _)| self.0.is_multiple_of(unit))
-            .unwrap_or((1_000, 's'));
-        write!(f, "{}{letter}", self.0 / unit)
+        Millis(self.0).fmt(f)
     }
 }
 
-/// A duration flag that is not `<number><s|m|h|d>`.
+/// A duration or a window that cannot be used, in words.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct BadWindow(String);
 
 /// Parses `<number><s|m|h|d>` into milliseconds.
 pub fn parse_duration(text: &str) -> Result<u64, BadWindow> {
-    let text = text.trim();
-    let bad = || {
-        BadWindow(format!(
-            "'{text}' is not a duration: write a number and a unit, s, m, h or d (30s, 5m, 1h, 1d)"
-        ))
-    };
-    let letter = text.chars().last().ok_or_else(bad)?;
-    let unit = UNITS
-        .into_iter()
-        .find(|&(_, l)| l == letter)
-        .map(|(unit, _)| unit)
-        .ok_or_else(bad)?;
-    let number: u64 = text[..text.len() - 1].parse().map_err(|_| bad())?;
-    number.checked_mul(unit).ok_or_else(bad)
+    parse_millis(text).map_err(BadWindow)
 }
 
 impl FromStr for WindowSize {
@@ -158,33 +129,30 @@ impl Windows {
         Windows::default()
     }
 
-    /// `sizes` (sorted, without repeats) with these rules; an error names the
-    /// first thing wrong.
+    /// `sizes` (sorted, without repeats) with these rules, checked as
+    /// [`WindowSettings`] checks them; an error names the first thing wrong.
     pub fn new(
-        mut sizes: Vec<WindowSize>,
+        sizes: Vec<WindowSize>,
         lateness_ms: u64,
         retention_ms: u64,
     ) -> Result<Windows, BadWindow> {
-        sizes.sort_unstable();
-        sizes.dedup();
-        if sizes.len() > MAX_WINDOWS {
-            return Err(BadWindow(format!(
-                "{} windows named; at most {MAX_WINDOWS}",
-                sizes.len()
-            )));
+        let sizes = sizes.iter().map(|s| s.ms()).collect();
+        WindowSettings::new(sizes, lateness_ms, retention_ms)
+            .map(|settings| Windows::from_settings(&settings))
+            .map_err(BadWindow)
+    }
+
+    /// The windows `settings` name (checked when they were made).
+    pub fn from_settings(settings: &WindowSettings) -> Windows {
+        Windows {
+            sizes: settings
+                .sizes_ms()
+                .iter()
+                .map(|&ms| WindowSize(ms))
+                .collect(),
+            lateness_ms: settings.lateness_ms(),
+            retention_ms: settings.retention_ms(),
         }
-        if retention_ms < lateness_ms {
-            return Err(BadWindow(format!(
-                "the retention ({}) is shorter than the lateness ({}): a like allowed in a window would land after its set expired",
-                Millis(retention_ms),
-                Millis(lateness_ms)
-            )));
-        }
-        Ok(Windows {
-            sizes,
-            lateness_ms,
-            retention_ms,
-        })
     }
 
     /// Whether no window is kept.
@@ -253,20 +221,6 @@ pub fn like_time(event_ms: i64, record_ms: i64) -> Option<i64> {
         (true, false) => Some(event_ms),
         (false, true) => Some(record_ms),
         (false, false) => None,
-    }
-}
-
-/// A duration in milliseconds, written with the largest unit that divides it.
-#[derive(Debug, Clone, Copy)]
-pub struct Millis(pub u64);
-
-impl fmt::Display for Millis {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            0 => f.write_str("0s"),
-            ms if ms.is_multiple_of(1_000) => WindowSize(ms).fmt(f),
-            ms => write!(f, "{ms}ms"),
-        }
     }
 }
 

@@ -27,6 +27,7 @@ pub mod packing;
 mod run;
 mod serve;
 mod store;
+pub mod windows;
 
 use std::path::PathBuf;
 

@@ -631,7 +631,9 @@ mod tests {
 
     #[test]
     fn the_script_documents_its_contract() {
-        assert!(APPLY_LUA.starts_with("-- apply.lua"));
+        let own = include_str!("apply.lua");
+        assert!(own.starts_with("-- apply.lua"));
+        assert!(APPLY_LUA.starts_with("-- windows.lua") && APPLY_LUA.ends_with(own));
         for needle in ["KEYS[1]", "ARGV[1]", "ARGV[2]", "ARGV[3]", "Returns"] {
             assert!(
                 APPLY_LUA.contains(needle),

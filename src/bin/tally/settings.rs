@@ -17,7 +17,7 @@ use std::time::Duration;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
-use tally::domain::windows::{self, Windows};
+use tally::domain::windows::{self, WindowSettings, Windows};
 use tally::infra::config::packing::{
     DEFAULT_PACKED_COUNTERS, DEFAULT_PACKED_FIELDS, LayoutName, PackingSettings,
 };
@@ -490,7 +490,7 @@ impl RunArgs {
     }
 
     /// The windows `--windows` names with their rules; `None` without it.
-    fn windows_settings(&self) -> Result<Option<Windows>, ConfigError> {
+    fn windows_settings(&self) -> Result<Option<WindowSettings>, ConfigError> {
         let Some(sizes) = &self.windows else {
             return Ok(None);
         };
@@ -499,9 +499,10 @@ impl RunArgs {
             .map_err(|e| lib::bad("window-lateness", e.to_string()))?;
         let retention = windows::parse_duration(&self.window_retention)
             .map_err(|e| lib::bad("window-retention", e.to_string()))?;
-        Windows::new(sizes, lateness, retention)
+        let sizes = sizes.iter().map(|s| s.ms()).collect();
+        WindowSettings::new(sizes, lateness, retention)
             .map(Some)
-            .map_err(|e| lib::bad("windows", e.to_string()))
+            .map_err(|e| lib::bad("windows", e))
     }
 
     fn kafka_security(&self) -> Result<KafkaSecurity, Vec<ConfigError>> {

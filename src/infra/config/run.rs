@@ -130,8 +130,8 @@ pub struct RunSettings {
     pub packing: packing::PackingSettings,
     /// The windows of trending counts a new prefix keeps (`--windows`,
     /// `--window-lateness`, `--window-retention`); `None` keeps the
-    /// prefix's (see [`crate::domain::windows`]).
-    pub windows: Option<crate::domain::windows::Windows>,
+    /// prefix's.
+    pub windows: Option<super::windows::WindowSettings>,
 }
 
 impl RunSettings {

@@ -189,7 +189,10 @@ pub fn writer_layout(settings: &RunSettings) -> WriterLayout {
         topic: settings.kafka.topic.clone(),
         group: settings.kafka.group.clone(),
         packing: Wanted::from_settings(&settings.packing),
-        windows: settings.windows.clone(),
+        windows: settings
+            .windows
+            .as_ref()
+            .map(crate::domain::windows::Windows::from_settings),
     }
 }
 
