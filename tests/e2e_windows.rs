@@ -288,7 +288,8 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
         eprintln!("[e2e_windows] kill {kill}/{KILLS}");
         tally = Tally::spawn_args(&format!("tally-{}", kill + 1), &args);
     }
-    // Redis killed and started again from its AOF while the consumer keeps applying.
+    // Redis killed and started again from its AOF, while the last consumer starts (it waits
+    // for a server loading its dataset) or applies.
     redis.restart();
     eprintln!("[e2e_windows] redis-server restarted from its AOF");
     let mut conn = redis.conn();

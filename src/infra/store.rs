@@ -103,6 +103,9 @@ impl AsyncConnectionLike for Store {
     }
 }
 
+/// How long a start waits for a server that is loading its dataset.
+pub const LOADING_WAIT: Duration = Duration::from_secs(60);
+
 /// Redis could not be reached, or refused the connection, at start-up.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot reach Redis at {url}: {source}")]
@@ -172,10 +175,32 @@ impl Shared {
             url: url.shown().to_string(),
             source,
         };
-        if url.is_cluster() {
-            probe_nodes(url.target()).await.map_err(failed)?;
+        // A server that is loading its dataset (a restart from its AOF or
+        // RDB) answers LOADING until it is done: waited for, not refused.
+        let waited_since = std::time::Instant::now();
+        let mut told = false;
+        loop {
+            let connected = match url.is_cluster() {
+                true => probe_nodes(url.target()).await,
+                false => Ok(()),
+            };
+            let connected = match connected {
+                Ok(()) => Shared::connect_checked(url.target()).await,
+                Err(error) => Err(error),
+            };
+            match connected {
+                Err(error)
+                    if error.code() == Some("LOADING") && waited_since.elapsed() < LOADING_WAIT =>
+                {
+                    if !told {
+                        tracing::warn!(url = %url.shown(), "Redis is loading its dataset; waiting for it.");
+                        told = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                other => return other.map_err(failed),
+            }
         }
-        Shared::connect_checked(url.target()).await.map_err(failed)
     }
 
     /// The current connection and its generation.
