@@ -75,13 +75,26 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
+/// A fresh redis-server, a runtime, an applier under `keys` and a connection.
+fn server(
+    keys: &KeyLayout,
+) -> (
+    RedisServer,
+    tokio::runtime::Runtime,
+    tally::pipeline::apply::Applier,
+    redis::Connection,
+) {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), keys.clone());
+    let conn = redis.conn();
+    (redis, rt, applier, conn)
+}
+
 #[test]
 fn window_deltas_land_once_with_the_counters() {
     for (name, keys) in layouts() {
-        let redis = RedisServer::start();
-        let rt = runtime();
-        let applier = applier(&rt, &redis.url(), keys.clone());
-        let mut conn = redis.conn();
+        let (_redis, rt, applier, mut conn) = server(&keys);
         let hour = now_ms() / HOUR * HOUR;
         let first = with_windows(
             script(0, 9, -1, &[(7, 0, 3), (8, 0, 1)]),
@@ -123,10 +136,7 @@ fn window_deltas_land_once_with_the_counters() {
 #[test]
 fn a_window_already_expired_keeps_nothing_and_the_counters_still_count() {
     for (name, keys) in layouts() {
-        let redis = RedisServer::start();
-        let rt = runtime();
-        let applier = applier(&rt, &redis.url(), keys.clone());
-        let mut conn = redis.conn();
+        let (_redis, rt, applier, mut conn) = server(&keys);
         // Two days ago: past its end plus a day's retention.
         let old = (now_ms() - 48 * HOUR) / HOUR * HOUR;
         let prepared = with_windows(script(0, 0, -1, &[(7, 0, 1)]), &[(1, old, 7, 1)]);
@@ -145,10 +155,7 @@ fn a_window_already_expired_keeps_nothing_and_the_counters_still_count() {
 #[test]
 fn a_window_key_of_another_type_refuses_the_call_and_writes_nothing() {
     for (name, keys) in layouts() {
-        let redis = RedisServer::start();
-        let rt = runtime();
-        let applier = applier(&rt, &redis.url(), keys.clone());
-        let mut conn = redis.conn();
+        let (_redis, rt, applier, mut conn) = server(&keys);
         let hour = now_ms() / HOUR * HOUR;
         let stray = format!("t:win:1h:{hour}");
         let _: () = conn.set(&stray, "not a set").unwrap();
