@@ -40,6 +40,18 @@ struct Record {
     record_ms: i64,
 }
 
+impl Record {
+    /// The like's time, as the contract states it: its event time, held to its record's
+    /// timestamp, or the timestamp when it has none (every record here has one).
+    fn time(&self) -> i64 {
+        if self.event_ms > 0 {
+            self.event_ms.min(self.record_ms)
+        } else {
+            self.record_ms
+        }
+    }
+}
+
 /// Records stamped over three hours around a UTC midnight at least two hours past (so every
 /// timestamp lies in the past), with the shapes of time a real producer sends.
 fn records(seed: u64) -> Vec<Record> {
@@ -89,11 +101,7 @@ fn records(seed: u64) -> Vec<Record> {
 fn truth(records: &[Record]) -> BTreeMap<(i64, i64, u64), i64> {
     let mut windows = BTreeMap::new();
     for r in records {
-        let time = if r.event_ms > 0 {
-            r.event_ms.min(r.record_ms)
-        } else {
-            r.record_ms
-        };
+        let time = r.time();
         for size in SIZES {
             let start = time - time.rem_euclid(size);
             if r.record_ms < start + size + LATENESS {
@@ -435,11 +443,7 @@ fn verify_and_rebuild_reach_the_live_windows() {
     let late: usize = records
         .iter()
         .map(|r| {
-            let time = if r.event_ms > 0 {
-                r.event_ms.min(r.record_ms)
-            } else {
-                r.record_ms
-            };
+            let time = r.time();
             SIZES
                 .iter()
                 .filter(|&&size| r.record_ms >= time - time.rem_euclid(size) + size + LATENESS)
