@@ -468,58 +468,80 @@ fn no_kafka_password_reaches_any_output() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let ways = kafka_ways(dir.path());
+    // Each failing start waits out librdkafka's metadata timeout, so the ways run side by side,
+    // each in a thread of its own; their outputs are gathered in the ways' order.
+    let printed_by_way: Vec<Vec<(String, String)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ways
+            .iter()
+            .map(|given| scope.spawn(|| kafka_way_outputs(given, &run, &redis, dir.path())))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
     let mut outputs = Outputs::default();
-    for given in &ways {
-        // The test broker speaks no SASL: every start fails in the handshake, after librdkafka
-        // has logged everything it does with the password. Then a broker that is not there.
-        for (command, brokers) in [
-            ("run", run.brokers.as_str()),
-            ("run", "127.0.0.1:1"),
-            ("config print", run.brokers.as_str()),
-        ] {
-            let mut args: Vec<String> = command.split(' ').map(String::from).collect();
-            args.extend(tally_args(
-                brokers,
-                &run.topic,
-                &run.group,
-                &redis.url(),
-                &run.prefix,
-            ));
-            args.extend(["-X".into(), "debug=all".into()]);
-            let mut given = given.clone();
-            // A flag beats its variable: TALLY_KAFKA_CONFIG takes the other -X settings too.
-            if let Some((_, value)) = given
-                .env
-                .iter_mut()
-                .find(|(k, _)| k == "TALLY_KAFKA_CONFIG")
-            {
-                let mut kept = Vec::new();
-                let mut rest = args.into_iter();
-                while let Some(arg) = rest.next() {
-                    if arg == "-X" {
-                        value.push(',');
-                        value.push_str(&rest.next().unwrap());
-                    } else {
-                        kept.push(arg);
-                    }
-                }
-                args = kept;
-            }
-            let out = finish(given.command(dir.path(), &args, true));
-            let want = if command == "run" { Some(1) } else { Some(0) };
-            assert_eq!(
-                out.status.code(),
-                want,
-                "{} {command}: {}",
-                given.way,
-                printed(&out)
-            );
-            outputs.add(
-                format!("{} {command} on {brokers}", given.way),
-                printed(&out),
-            );
-        }
+    for (what, text) in printed_by_way.into_iter().flatten() {
+        outputs.add(what, text);
     }
     let secrets: Vec<String> = ways.iter().map(|g| g.secret.clone()).collect();
     outputs.assert_free_of(&secrets);
+}
+
+/// What `tally run` (against the test broker, which speaks no SASL, and against no broker) and
+/// `tally config print` printed, given the Kafka password `given`'s way.
+fn kafka_way_outputs(
+    given: &Given,
+    run: &Scenario,
+    redis: &RedisServer,
+    dir: &Path,
+) -> Vec<(String, String)> {
+    let mut seen = Vec::new();
+    // The test broker speaks no SASL: every start fails in the handshake, after librdkafka
+    // has logged everything it does with the password. Then a broker that is not there.
+    for (command, brokers) in [
+        ("run", run.brokers.as_str()),
+        ("run", "127.0.0.1:1"),
+        ("config print", run.brokers.as_str()),
+    ] {
+        let mut args: Vec<String> = command.split(' ').map(String::from).collect();
+        args.extend(tally_args(
+            brokers,
+            &run.topic,
+            &run.group,
+            &redis.url(),
+            &run.prefix,
+        ));
+        args.extend(["-X".into(), "debug=all".into()]);
+        let mut given = given.clone();
+        // A flag beats its variable: TALLY_KAFKA_CONFIG takes the other -X settings too.
+        if let Some((_, value)) = given
+            .env
+            .iter_mut()
+            .find(|(k, _)| k == "TALLY_KAFKA_CONFIG")
+        {
+            let mut kept = Vec::new();
+            let mut rest = args.into_iter();
+            while let Some(arg) = rest.next() {
+                if arg == "-X" {
+                    value.push(',');
+                    value.push_str(&rest.next().unwrap());
+                } else {
+                    kept.push(arg);
+                }
+            }
+            args = kept;
+        }
+        let out = finish(given.command(dir, &args, true));
+        let want = if command == "run" { Some(1) } else { Some(0) };
+        assert_eq!(
+            out.status.code(),
+            want,
+            "{} {command}: {}",
+            given.way,
+            printed(&out)
+        );
+        seen.push((
+            format!("{} {command} on {brokers}", given.way),
+            printed(&out),
+        ));
+    }
+    seen
 }
