@@ -20,8 +20,9 @@
 //!     ids-and-actions`, with consumers SIGKILLed and a rebalance; the truth counts each like once.
 //!
 //! `TALLY_CHAOS_MODE=quick|long` picks the sizes (default quick); `TALLY_CHAOS_ONLY=a,b` runs
-//! only the named scenarios. One table row per scenario is printed at the end; the test fails
-//! on any difference, any scenario error, or resources growing past the stated bounds.
+//! only the named scenarios; `TALLY_CHAOS_WORKERS=N` runs N at once (default 2). One table row
+//! per scenario is printed at the end; the test fails on any difference, any scenario error, or
+//! resources growing past the stated bounds.
 //! `scripts/test` runs the quick mode with every other test; `scripts/chaos` runs the suite alone,
 //! in either mode, and prints its table.
 
@@ -40,6 +41,7 @@ mod report;
 mod stores;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use report::{Leaks, Row};
@@ -133,36 +135,85 @@ const SCENARIOS: [(&str, ScenarioFn); 11] = [
     ("duplicates", duplicates::duplicates),
 ];
 
+/// Scenarios that run at once (`TALLY_CHAOS_WORKERS`, default 2). Each has its topics, group,
+/// prefix and Redis of its own; most of a scenario's time is spent waiting for a session to
+/// expire, a broker to come back or a consumer to catch up, so two share the machine well.
+fn workers() -> usize {
+    match std::env::var("TALLY_CHAOS_WORKERS") {
+        Ok(v) => v
+            .parse()
+            .ok()
+            .filter(|n| *n >= 1)
+            .unwrap_or_else(|| panic!("TALLY_CHAOS_WORKERS must be a number from 1, not {v:?}")),
+        Err(_) => 2,
+    }
+}
+
+/// Runs one scenario, its panic turned into the row's error.
+fn run_scenario(settings: &Settings, name: &'static str, scenario: ScenarioFn) -> (Row, Leaks) {
+    eprintln!("[chaos] ===== {name} =====");
+    let mut row = Row::new(name);
+    let mut leaks = Leaks::default();
+    let t = Instant::now();
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        scenario(settings, &mut row, &mut leaks)
+    }));
+    row.secs = t.elapsed().as_secs_f64();
+    if let Err(panic) = outcome {
+        let text = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panicked".to_string());
+        row.error = Some(text.lines().next().unwrap_or_default().to_string());
+    }
+    eprintln!("[chaos] {name}: {}", row.summary());
+    (row, leaks)
+}
+
 #[test]
 fn chaos() {
     let settings = Settings::from_env();
     let only: Option<Vec<String>> = std::env::var("TALLY_CHAOS_ONLY")
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
-    eprintln!("[chaos] mode {}: {settings:?}", settings.mode);
+    let workers = workers();
+    eprintln!(
+        "[chaos] mode {}, {workers} at once: {settings:?}",
+        settings.mode
+    );
     let started = Instant::now();
+    let chosen: Vec<(usize, &'static str, ScenarioFn)> = SCENARIOS
+        .into_iter()
+        .enumerate()
+        .filter(|(_, (name, _))| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name)))
+        .map(|(i, (name, f))| (i, name, f))
+        .collect();
+    let queue = Mutex::new(chosen.into_iter());
+    let done = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                loop {
+                    let next = queue.lock().unwrap().next();
+                    let Some((i, name, scenario)) = next else {
+                        break;
+                    };
+                    let result = run_scenario(&settings, name, scenario);
+                    done.lock().unwrap().push((i, result));
+                }
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap();
+    done.sort_by_key(|(i, _)| *i);
     let mut rows = Vec::new();
     let mut leaks = Leaks::default();
-    for (name, scenario) in SCENARIOS {
-        if only.as_ref().is_some_and(|o| !o.iter().any(|n| n == name)) {
-            continue;
+    for (_, (row, sampled)) in done {
+        // Only the scaling scenario samples its steady consumer.
+        if sampled.rebalances > 0 || !sampled.samples.is_empty() {
+            leaks = sampled;
         }
-        eprintln!("[chaos] ===== {name} =====");
-        let mut row = Row::new(name);
-        let t = Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            scenario(&settings, &mut row, &mut leaks)
-        }));
-        row.secs = t.elapsed().as_secs_f64();
-        if let Err(panic) = outcome {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".to_string());
-            row.error = Some(text.lines().next().unwrap_or_default().to_string());
-        }
-        eprintln!("[chaos] {name}: {}", row.summary());
         rows.push(row);
     }
     let table = report::table(&settings, &rows, &leaks, started.elapsed());
