@@ -304,8 +304,28 @@ impl Tally {
                 self.log_tail(40)
             );
         }
+        self.wait_catches_sigterm();
         self.terminated = Some(Instant::now());
         signal(self.pid(), "TERM");
+    }
+
+    /// Waits (at most 10 s) until the process has a handler for SIGTERM (`SigCgt` in
+    /// /proc/PID/status), so a signal sent right after the start meets tally's shutdown rather
+    /// than the default action of a process still reading its flags.
+    fn wait_catches_sigterm(&mut self) {
+        const SIGTERM_BIT: u64 = 1 << (15 - 1);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && self.try_status().is_none() {
+            let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()));
+            let caught = status.ok().and_then(|text| {
+                let mask = text.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                u64::from_str_radix(mask.trim(), 16).ok()
+            });
+            if caught.is_some_and(|mask| mask & SIGTERM_BIT != 0) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Waits up to `timeout` for the exit that a [`Tally::sigterm`] asked for; panics with the
