@@ -704,8 +704,9 @@ fn on_a_cluster_every_command_needs_its_rule_and_the_cluster_addition() {
 /// docs acl`.
 /// `tally run <flags>` counts every event under `run`'s rule and the addition `tally docs acl`
 /// publishes for `whose`, and without any one permission of the addition stops with an error
-/// that names it, having counted nothing; what it wrote matches `written`.
-fn run_needs_its_addition(flags: &[&str], whose: &str, written: &str) {
+/// that names it, having counted nothing; what it wrote matches `written`. Returns the lab and
+/// the prefix counted into.
+fn run_needs_its_addition(flags: &[&str], whose: &str, written: &str) -> (Lab, String) {
     let (mut lab, mut ctx) = setup(Store::Single(RedisServer::start()));
     ctx.extra.extend(owned(flags));
     let rules = published_rules();
@@ -748,6 +749,7 @@ fn run_needs_its_addition(flags: &[&str], whose: &str, written: &str) {
     let keys = scan_keys(&mut lab.admins[0], &format!("{prefix}:{written}"));
     assert!(!keys.is_empty(), "nothing under {prefix}:{written}");
     assert_exact(&mut lab, &prefix, &ctx.truth());
+    (lab, prefix)
 }
 
 /// `tally run --layout packed` needs the packed addition.
@@ -760,12 +762,50 @@ fn the_packed_layout_needs_its_addition() {
     );
 }
 
-/// `tally run --windows` needs the windows' addition.
+/// `tally run --windows` needs the windows' addition; then `tally top` lists a window under its
+/// published rule and fails without any one permission of it, naming the one missing.
 #[test]
 fn windows_need_their_addition() {
-    run_needs_its_addition(
+    let (mut lab, prefix) = run_needs_its_addition(
         &["--windows", "1h"],
         "run and rebuild with --windows",
         "win:*",
+    );
+    let rules = published_rules();
+    // The window the likes went to (`<prefix>:win:<size>:<start>`), not the clock's: the hour
+    // may have turned since.
+    let key = scan_keys(&mut lab.admins[0], &format!("{prefix}:win:*"))
+        .into_iter()
+        .next()
+        .expect("a window set");
+    let start = key.rsplit(':').next().unwrap().to_string();
+    let top = |lab: &mut Lab, rule: &[String]| -> Result<String, String> {
+        let rule: Vec<String> = rule.iter().map(|p| format!("+{p}")).collect();
+        let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+        let url = lab.user(&prefix, &rule);
+        outcome(&finish(
+            &owned(&[
+                "top", "--window", "1h", "--at", &start, "--json", "--redis", &url, "--prefix",
+                &prefix,
+            ]),
+            Duration::from_secs(30),
+        ))
+    };
+    let all = &rules["top"].all;
+    for missing in all {
+        let rule: Vec<String> = all.iter().filter(|p| *p != missing).cloned().collect();
+        match top(&mut lab, &rule) {
+            Err(said) => assert!(
+                said.contains(&format!("'{missing}'")),
+                "tally top without +{missing} failed without naming it:\n{said}"
+            ),
+            Ok(said) => panic!("tally top worked without +{missing}:\n{said}"),
+        }
+        eprintln!("[e2e_redis_acl] tally top refused without +{missing}");
+    }
+    let said = top(&mut lab, all).unwrap_or_else(|e| panic!("tally top under its rule: {e}"));
+    assert!(
+        said.contains("\"post_id\""),
+        "tally top listed no post:\n{said}"
     );
 }
