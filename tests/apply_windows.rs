@@ -1,8 +1,10 @@
 //! The window section of the apply scripts against a real redis-server, on
 //! both layouts: window deltas land with the counters behind the fence, once;
-//! a member brought to zero leaves its set; a set expires at its window's end
-//! plus the retention; and a window key of another type refuses the whole
-//! call before anything is written.
+//! a post brought to zero leaves its window's counts; both keys of a window
+//! expire at its end plus the retention; the leaders hold exactly the posts
+//! at the floor or above, through a rising floor and unlikes below it; and a
+//! window key of another type refuses the whole call before anything is
+//! written.
 
 mod common;
 
@@ -53,17 +55,37 @@ fn with_windows(mut prepared: Prepared, cells: &[(u8, i64, u64, i64)]) -> Prepar
     prepared
 }
 
-/// Every member of every window set, as (key, post) → likes, read without
-/// tally's parsing of members.
+/// Every post of every window's counts, as (key, post) → likes, read without
+/// tally's parsing of fields; and, for each window, a check that its leaders
+/// hold exactly the posts whose count is at least its floor, with their counts.
 fn sets(conn: &mut redis::Connection) -> BTreeMap<(String, u64), i64> {
     let keys: Vec<String> = conn.keys("t:win:*").unwrap();
     let mut all = BTreeMap::new();
     for key in keys {
-        let members: Vec<(Vec<u8>, i64)> = conn.zrange_withscores(&key, 0, -1).unwrap();
-        for (member, score) in members {
-            let post = u64::from_be_bytes(member.try_into().expect("8-byte members"));
-            all.insert((key.clone(), post), score);
+        let fields: Vec<(Vec<u8>, i64)> = conn.hgetall(&key).unwrap();
+        let mut floor = 1;
+        let mut counts = BTreeMap::new();
+        for (field, count) in fields {
+            if field == b"floor" {
+                floor = count;
+                continue;
+            }
+            let post = u64::from_be_bytes(field.try_into().expect("8-byte fields"));
+            assert_ne!(count, 0, "{key} keeps post {post} at 0");
+            counts.insert(post, count);
+            all.insert((key.clone(), post), count);
         }
+        let leaders = key.replacen(":win:", ":top:", 1);
+        let kept: Vec<(Vec<u8>, i64)> = conn.zrange_withscores(&leaders, 0, -1).unwrap();
+        let kept: BTreeMap<u64, i64> = kept
+            .into_iter()
+            .map(|(m, s)| (u64::from_be_bytes(m.try_into().expect("8-byte members")), s))
+            .collect();
+        let above: BTreeMap<u64, i64> = counts.into_iter().filter(|&(_, c)| c >= floor).collect();
+        assert_eq!(
+            kept, above,
+            "{leaders}: not the posts of {key} at its floor {floor} or above"
+        );
     }
     all
 }
@@ -122,14 +144,18 @@ fn window_deltas_land_once_with_the_counters() {
         let undone = with_windows(script(10, 10, -1, &[(8, 0, -1)]), &[(1, hour, 8, -1)]);
         let reply = rt.block_on(applier.apply_once(&undone)).unwrap().unwrap();
         assert_eq!(reply.decision, Decision::Apply, "{name}");
-        let members: i64 = conn.zcard(format!("t:win:1h:{hour}")).unwrap();
-        assert_eq!(members, 1, "{name}: a member at 0 stays in its set");
-        // Each set expires at its window's end plus the retention.
-        let expiry: i64 = redis::cmd("PEXPIRETIME")
-            .arg(minute(hour))
-            .query(&mut conn)
-            .unwrap();
-        assert_eq!(expiry, hour + 60_000 + 86_400_000, "{name}");
+        let posts: i64 = conn.hlen(format!("t:win:1h:{hour}")).unwrap();
+        assert_eq!(posts, 1, "{name}: a post at 0 stays in its window's counts");
+        let leaders: i64 = conn.zcard(format!("t:top:1h:{hour}")).unwrap();
+        assert_eq!(leaders, 1, "{name}: a post at 0 stays among the leaders");
+        // Both keys of a window expire at its end plus the retention.
+        for key in [minute(hour), format!("t:top:1m:{hour}")] {
+            let expiry: i64 = redis::cmd("PEXPIRETIME")
+                .arg(&key)
+                .query(&mut conn)
+                .unwrap();
+            assert_eq!(expiry, hour + 60_000 + 86_400_000, "{name}: {key}");
+        }
     }
 }
 
@@ -143,6 +169,8 @@ fn a_window_already_expired_keeps_nothing_and_the_counters_still_count() {
         let reply = rt.block_on(applier.apply_once(&prepared)).unwrap().unwrap();
         assert_eq!(reply.decision, Decision::Apply, "{name}");
         assert!(sets(&mut conn).is_empty(), "{name}");
+        let leaders: i64 = conn.exists(format!("t:top:1h:{old}")).unwrap();
+        assert_eq!(leaders, 0, "{name}: an expired window's leaders stay");
         let place = keys.place_of(tally::domain::routing::CounterId::v0(7, 0));
         let count: Option<i64> = match &place.field {
             Some(field) => conn.hget(&place.key, field).unwrap(),
@@ -154,10 +182,13 @@ fn a_window_already_expired_keeps_nothing_and_the_counters_still_count() {
 
 #[test]
 fn a_window_key_of_another_type_refuses_the_call_and_writes_nothing() {
-    for (name, keys) in layouts() {
+    for ((name, keys), kind) in layouts()
+        .into_iter()
+        .flat_map(|l| [(l.clone(), "win"), (l, "top")])
+    {
         let (_redis, rt, applier, mut conn) = server(&keys);
         let hour = now_ms() / HOUR * HOUR;
-        let stray = format!("t:win:1h:{hour}");
+        let stray = format!("t:{kind}:1h:{hour}");
         let _: () = conn.set(&stray, "not a set").unwrap();
         let prepared = with_windows(
             script(0, 4, -1, &[(7, 0, 1), (8, 0, 2)]),
@@ -198,5 +229,66 @@ fn window_keys_share_the_slot_of_their_posts_first_bucket() {
             "{set}"
         );
     }
+    for (counts, leaders) in keys.window_keys(size, 0) {
+        assert_eq!(
+            key_slot(counts.as_bytes()),
+            key_slot(leaders.as_bytes()),
+            "{leaders}"
+        );
+    }
     assert_eq!(keys.window_keys(size, 0).len(), 16);
+}
+
+/// Past `LEADERS_CAP` leaders the floor rises to the `LEADERS_KEEP`-th count
+/// and the posts below it leave the leaders but keep their counts; unlikes
+/// take leaders below the floor and out, likes bring a post back in when it
+/// reaches it. `sets` checks the leaders against the counts after each call.
+#[test]
+fn the_floor_rises_past_the_cap_and_the_leaders_follow_every_count() {
+    use tally::domain::windows::{LEADERS_CAP, LEADERS_KEEP};
+    for (name, keys) in layouts() {
+        let (_redis, rt, applier, mut conn) = server(&keys);
+        let hour = now_ms() / HOUR * HOUR;
+        // Post p gets p likes (two posts per count, so that ties straddle the floor).
+        let posts = LEADERS_CAP as u64 + 100;
+        let cells: Vec<(u8, i64, u64, i64)> = (1..=posts)
+            .map(|p| (1, hour, p, p.div_ceil(2) as i64))
+            .collect();
+        let first = with_windows(script(0, 0, -1, &[(1, 0, 1)]), &cells);
+        let reply = rt.block_on(applier.apply_once(&first)).unwrap().unwrap();
+        assert_eq!(reply.decision, Decision::Apply, "{name}");
+        let counts = sets(&mut conn);
+        assert_eq!(
+            counts.len() as u64,
+            posts,
+            "{name}: every post keeps its count"
+        );
+        let key = format!("t:win:1h:{hour}");
+        let floor: i64 = conn.hget(&key, "floor").unwrap();
+        // The LEADERS_KEEP-th count from the top, of posts counting 1, 1, 2, 2, ...
+        let kept = (posts - LEADERS_KEEP as u64 + 1).div_ceil(2) as i64;
+        assert_eq!(floor, kept, "{name}");
+        let leaders: usize = conn.zcard(format!("t:top:1h:{hour}")).unwrap();
+        assert!(
+            (LEADERS_KEEP..=LEADERS_KEEP + 1).contains(&leaders),
+            "{name}: {leaders} leaders"
+        );
+        // Unlikes take the top 10 posts below the floor; likes bring post 1 up to it.
+        let mut cells: Vec<(u8, i64, u64, i64)> = (posts - 9..=posts)
+            .map(|p| (1, hour, p, -(p.div_ceil(2) as i64)))
+            .collect();
+        cells.push((1, hour, 1, floor - 1));
+        let second = with_windows(script(1, 1, -1, &[(1, 0, 1)]), &cells);
+        let reply = rt.block_on(applier.apply_once(&second)).unwrap().unwrap();
+        assert_eq!(reply.decision, Decision::Apply, "{name}");
+        let counts = sets(&mut conn);
+        assert_eq!(counts.get(&(key.clone(), 1)), Some(&floor), "{name}");
+        assert_eq!(
+            counts.get(&(key.clone(), posts)),
+            None,
+            "{name}: a post at 0 kept"
+        );
+        let leaders: usize = conn.zcard(format!("t:top:1h:{hour}")).unwrap();
+        assert!(leaders < LEADERS_KEEP, "{name}: {leaders} leaders");
+    }
 }

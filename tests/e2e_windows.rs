@@ -122,8 +122,8 @@ fn size_name(size: i64) -> &'static str {
     }
 }
 
-/// Every window member in Redis, read without tally's code: keys
-/// `<prefix>:win:<size>:<start>[:{tag}]`, members 8-byte big-endian post ids.
+/// Every window count in Redis, read without tally's code: hashes
+/// `<prefix>:win:<size>:<start>[:{tag}]`, fields 8-byte big-endian post ids.
 fn stored(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<(i64, i64, u64), i64> {
     let mut all = BTreeMap::new();
     stored_into(conn, prefix, &mut all);
@@ -146,14 +146,11 @@ fn stored_into(
             other => panic!("{key}: window {other}"),
         };
         let start: i64 = parts.next().unwrap().parse().unwrap();
-        let members: Vec<(Vec<u8>, i64)> = redis::cmd("ZRANGE")
-            .arg(&key)
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query(conn)
-            .unwrap();
+        let members: Vec<(Vec<u8>, i64)> = redis::cmd("HGETALL").arg(&key).query(conn).unwrap();
         for (member, likes) in members {
+            if member == b"floor" {
+                continue;
+            }
             let post = u64::from_be_bytes(member.try_into().expect("8-byte member"));
             assert!(likes != 0, "{key} keeps post {post} at 0");
             assert!(
@@ -351,7 +348,7 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
         .collect();
     assert_eq!(days.len(), 2, "the likes straddle a midnight: {days:?}");
 
-    // Each set expires at its window's end plus the retention.
+    // Each window's counts expire at its end plus the retention.
     let (size, start, post) = *got.keys().next().unwrap();
     let key = scan_keys(
         &mut conn,
@@ -363,6 +360,23 @@ fn windows_are_exact_across_midnight_late_likes_and_kills() {
         .unwrap();
     assert_eq!(expiry, start + size + 3 * DAY, "{} (post {post})", key[0]);
 
+    assert_trending(&redis.url(), prefix, &expected);
+
+    // With every window's floor raised past its counts (and its leaders emptied, as the script
+    // leaves them then), the leaders decide nothing and each list is read from the counts.
+    for key in scan_keys(&mut conn, &format!("{prefix}:win:*")) {
+        let () = redis::pipe()
+            .cmd("HSET")
+            .arg(&key)
+            .arg("floor")
+            .arg(1_000_000_000)
+            .ignore()
+            .cmd("DEL")
+            .arg(key.replacen(":win:", ":top:", 1))
+            .ignore()
+            .query(&mut conn)
+            .unwrap();
+    }
     assert_trending(&redis.url(), prefix, &expected);
 
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
@@ -476,10 +490,18 @@ fn verify_and_rebuild_reach_the_live_windows() {
         .find(|((size, _, _), likes)| *size == HOUR && **likes > 0)
         .unwrap();
     let key = scan_keys(&mut conn, &format!("{}:win:1h:{start}*", run.prefix)).remove(0);
-    let _: f64 = redis::cmd("ZINCRBY")
+    let leaders = key.replacen(":win:", ":top:", 1);
+    let () = redis::pipe()
+        .cmd("HINCRBY")
         .arg(&key)
+        .arg(&post.to_be_bytes()[..])
+        .arg(1_000)
+        .ignore()
+        .cmd("ZINCRBY")
+        .arg(&leaders)
         .arg(1_000)
         .arg(&post.to_be_bytes()[..])
+        .ignore()
         .query(&mut conn)
         .unwrap();
     let out = verify();

@@ -224,9 +224,9 @@ pub fn scan_counters(
     })
 }
 
-/// Calls `each` with every post's likes in every window set under
-/// `layout`'s prefix, node by node (a ZRANGE each); a member that names no
-/// post is an error naming it.
+/// Calls `each` with every post's likes in every window under `layout`'s
+/// prefix, node by node (an HGETALL of each window's counts); a field that
+/// names no post, other than the leaders' floor, is an error naming it.
 pub fn scan_windows(
     target: &Target,
     layout: &KeyLayout,
@@ -237,13 +237,11 @@ pub fn scan_windows(
             let Some((size, start)) = layout.parse_window_key(&key) else {
                 continue;
             };
-            let members: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
-                .arg(&key)
-                .arg(0)
-                .arg(-1)
-                .arg("WITHSCORES")
-                .query(conn)?;
+            let members: Vec<(Vec<u8>, i64)> = redis::cmd("HGETALL").arg(&key).query(conn)?;
             for (member, likes) in members {
+                if member == crate::domain::windows::FLOOR_FIELD.as_bytes() {
+                    continue;
+                }
                 let post = crate::domain::windows::post_of(&member).ok_or_else(|| {
                     RedisError::from((
                         redis::ErrorKind::UnexpectedReturnType,
@@ -251,7 +249,7 @@ pub fn scan_windows(
                         format!("{key} member {member:?}"),
                     ))
                 })?;
-                each(size, start, post, likes as i64);
+                each(size, start, post, likes);
             }
         }
         Ok(())

@@ -118,8 +118,9 @@ impl CounterId {
 /// being the string key's tail after `likes:` with the post id written as a
 /// signed integer.
 ///
-/// Windows of trending counts (see [`crate::domain::windows`]) are sorted
-/// sets `<prefix>:win:<size>:<start>[:{<tag>}]`.
+/// Windows of trending counts (see [`crate::domain::windows`]) are hashes
+/// of counts `<prefix>:win:<size>:<start>[:{<tag>}]`, each beside a sorted
+/// set of its leaders `<prefix>:top:<size>:<start>[:{<tag>}]`.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
     prefix: String,
@@ -198,33 +199,43 @@ impl KeyLayout {
         &self.windows
     }
 
-    /// Writes the key of the set of window `start` of `size` in slot group
-    /// `group` into `out`, replacing its contents.
+    /// Writes the key of the counts of window `start` of `size` in slot
+    /// group `group` into `out`, replacing its contents.
     pub fn write_window_key(&self, out: &mut String, size: WindowSize, start: i64, group: u32) {
         out.clear();
         let _ = write!(out, "{}:win:{size}:{start}", self.prefix);
         self.write_tag(out, group);
     }
 
-    /// The set of window `start` of `size` that holds `post_id`.
+    /// Writes the key of the leaders of window `start` of `size` in slot
+    /// group `group` into `out`, replacing its contents.
+    pub fn write_leaders_key(&self, out: &mut String, size: WindowSize, start: i64, group: u32) {
+        out.clear();
+        let _ = write!(out, "{}:top:{size}:{start}", self.prefix);
+        self.write_tag(out, group);
+    }
+
+    /// The counts of window `start` of `size` that hold `post_id`.
     pub fn window_key(&self, size: WindowSize, start: i64, post_id: u64) -> String {
         let mut key = String::new();
         self.write_window_key(&mut key, size, start, self.groups.group_of(post_id, 0));
         key
     }
 
-    /// The sets of window `start` of `size`, one per slot group.
-    pub fn window_keys(&self, size: WindowSize, start: i64) -> Vec<String> {
+    /// The counts and the leaders of window `start` of `size`, one pair per
+    /// slot group.
+    pub fn window_keys(&self, size: WindowSize, start: i64) -> Vec<(String, String)> {
         (0..self.groups.count())
             .map(|g| {
-                let mut key = String::new();
-                self.write_window_key(&mut key, size, start, g);
-                key
+                let (mut counts, mut leaders) = (String::new(), String::new());
+                self.write_window_key(&mut counts, size, start, g);
+                self.write_leaders_key(&mut leaders, size, start, g);
+                (counts, leaders)
             })
             .collect()
     }
 
-    /// The glob pattern matching every window set.
+    /// The glob pattern matching every window's counts.
     pub fn windows_pattern(&self) -> String {
         format!("{}:win:*", self.prefix)
     }

@@ -20,28 +20,39 @@
 //! * A like is **late** for a window when its record was written at or after
 //!   the window's end plus `lateness`. A late like still counts in the
 //!   lifetime count, only not in that window, and is a metric.
-//! * A window's set expires at its end plus `retention` by Redis's clock; a
+//! * A window's keys expire at its end plus `retention` by Redis's clock; a
 //!   write to an expired window keeps nothing.
 //!
-//! # Keys, and why the top-K merge is exact
+//! # Keys, and why the top-K read is exact
 //!
-//! One sorted set per (size, start, slot group): `<prefix>:win:<size>:<start>`
-//! followed on a cluster by the hash tag of the group. Its members are posts
-//! (8 bytes, big-endian, so the set orders equal scores by post id), its
-//! scores their net likes in the window. A post is written to the group of
-//! its bucket 0 whatever buckets its likes went to: a batch sums each post's
-//! likes of a window before writing, so a hot post costs one write per batch
-//! and window, and needs no buckets here. The script of that group carries
-//! the window deltas, behind that group's fence.
+//! Per (size, start, slot group), two keys, followed on a cluster by the
+//! hash tag of the group: the **counts**, a hash `<prefix>:win:<size>:<start>`
+//! whose fields are posts (8 bytes, big-endian) and values their net likes
+//! in the window; and the **leaders**, a sorted set `<prefix>:top:<size>:<start>`
+//! holding exactly the posts whose count is at least the window's **floor**
+//! (the counts' field [`FLOOR_FIELD`], 1 when absent), scored with their
+//! counts. A post is written to the group of its bucket 0 whatever buckets
+//! its likes went to: a batch sums each post's likes of a window before
+//! writing, so a hot post costs one write per batch and window, and needs no
+//! buckets here. The script of that group carries the window deltas, behind
+//! that group's fence, and keeps the leaders to that definition: when they
+//! pass [`LEADERS_CAP`] posts the floor rises to the count of the
+//! [`LEADERS_KEEP`]-th and the posts below it leave them. Every count stays
+//! in the hash, so a post that climbs later re-enters when it reaches the
+//! floor; only the leaders are a sorted set, whose writes walk a skiplist.
 //!
-//! So each post is in exactly one set per window. The `K` highest of the
-//! whole window, ordered by likes and then by the larger post id (the order
-//! Redis gives equal scores when read in reverse), are among the union of
-//! each set's `K` highest in that order: a post missing from its own set's
-//! list has `K` posts ahead of it there, hence in the union too.
-//! A set holds every post liked in its window: trimming a set to its leaders
-//! would lose a post that climbs later, so memory is bounded by the distinct
-//! posts of a window and its expiry, and `tally plan` prices it.
+//! The `K` highest of one group, ordered by likes and then by the larger
+//! post id (Redis's reverse order of equal scores of 8-byte big-endian
+//! members), are the leaders' `K` highest when the leaders hold at least `K`
+//! posts (every other post counts less than the floor, so less than each of
+//! them), and all the leaders when the floor is 1 (every post with a like
+//! is one). Otherwise, after unlikes took more than `LEADERS_KEEP - K`
+//! posts below a raised floor, the read sorts the group's counts itself.
+//! Each post is in exactly one group per window, so the `K` highest of the
+//! window are among the union of each group's `K` highest: a post missing
+//! from its own group's list has `K` posts ahead of it there, hence in the
+//! union too. Memory is bounded by the distinct posts of a window (one hash
+//! field each) and its expiry, and `tally plan` prices it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -55,6 +66,19 @@ pub use crate::infra::config::windows::{
 pub const DEFAULT_TOP_K: usize = 100;
 /// The most posts one trending read returns.
 pub const MAX_TOP_K: usize = 1_000;
+
+/// The field of a window's counts that holds its leaders' floor; never a
+/// post (those are 8 bytes).
+pub const FLOOR_FIELD: &str = "floor";
+
+/// The size past which a window's leaders are cut back (windows.lua's
+/// `LEADERS_CAP`).
+pub const LEADERS_CAP: usize = 4_000;
+
+/// How many leaders a cut keeps at least (windows.lua's `LEADERS_KEEP`):
+/// twice [`MAX_TOP_K`], so that unlikes must take a thousand of them below
+/// the floor before a read of the longest list sorts the counts itself.
+pub const LEADERS_KEEP: usize = 2 * MAX_TOP_K;
 
 /// The length of a window, written `30s`, `5m`, `1h` or `1d`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -224,7 +248,7 @@ pub fn like_time(event_ms: i64, record_ms: i64) -> Option<i64> {
     }
 }
 
-/// A post's member in a window's set.
+/// A post's field in a window's counts, and its member in the leaders.
 pub fn member(post_id: u64) -> [u8; 8] {
     post_id.to_be_bytes()
 }

@@ -2,13 +2,14 @@
 --
 -- KEYS[1]       the group's fence key (same hash slot as every counter key)
 -- KEYS[2..]     counter keys <prefix>:likes:<post>:<bucket>[:{tag}], then
---               the W window sets (windows.lua)
+--               then, for each of W windows, its counts and its leaders
+--               (windows.lua)
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
--- ARGV[4]       W, the number of window sets
+-- ARGV[4]       W, the number of windows written
 -- ARGV[5..]     the deltas as runs, in KEYS order: pairs (delta, n), each
---               adding delta to the next n counter keys; the n sum to #KEYS - 1 - W;
+--               adding delta to the next n counter keys; the n sum to #KEYS - 1 - 2W;
 --               then the window section (windows.lua)
 --
 -- Returns {code, fence}; fence is the fence found before the call.
@@ -17,7 +18,7 @@
 --   2 straddle: start <= fence < last; nothing written
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error}: INCRBY refused KEYS[i] (a value that is not
---     an integer, another type, an overflow), or KEYS[i] is a window set of
+--     an integer, another type, an overflow), or KEYS[i] is a window key of
 --     another type; the deltas already added are taken back, so no count
 --     changes and the fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
@@ -59,10 +60,10 @@ end
 -- (absent, or "0"), absent reads as 0, and the failed call creates no keys.
 local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
 local w = tonumber(argv[4])
-if not w or w < 0 or w % 1 ~= 0 or w > #keys - 1 then
-  return redis.error_reply('ERR apply.lua: ARGV[4] must count the window sets among KEYS')
+if not w or w < 0 or w % 1 ~= 0 or 2 * w > #keys - 1 then
+  return redis.error_reply('ERR apply.lua: ARGV[4] must count the windows whose key pairs end KEYS')
 end
-local counters = #keys - 1 - w
+local counters = #keys - 1 - 2 * w
 local counted, at, whole = 0, 5, true
 while counted < counters do
   local n = tonumber(argv[at + 1])

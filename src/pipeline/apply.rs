@@ -162,11 +162,31 @@ fn counter_keys(keys: &KeyLayout, prepared: &Prepared) -> usize {
     }
 }
 
-/// Writes the key of the set a run of window deltas goes to.
-fn write_set_key(out: &mut String, keys: &KeyLayout, group: u32, set: &[(WindowCell, i64)]) {
+/// Writes the key of the counts (or, with `leaders`, of the leaders) of the
+/// window a run of window deltas goes to.
+fn write_set_key(
+    out: &mut String,
+    keys: &KeyLayout,
+    group: u32,
+    set: &[(WindowCell, i64)],
+    leaders: bool,
+) {
     let cell = set[0].0;
     let size = keys.windows().sizes()[usize::from(cell.size)];
-    keys.write_window_key(out, size, cell.start, group);
+    match leaders {
+        false => keys.write_window_key(out, size, cell.start, group),
+        true => keys.write_leaders_key(out, size, cell.start, group),
+    }
+}
+
+/// Names each window's counts and leaders, in the order of its deltas.
+fn window_key_arguments(cmd: &mut Cmd, key: &mut String, keys: &KeyLayout, prepared: &Prepared) {
+    for set in prepared.window_sets() {
+        for leaders in [false, true] {
+            write_set_key(key, keys, prepared.group, set, leaders);
+            cmd.arg(key.as_str());
+        }
+    }
 }
 
 /// The window section's arguments: for each set, its expiry and its
@@ -219,16 +239,13 @@ pub fn script_call(
         return cmd;
     }
     let sets = prepared.window_sets().count();
-    cmd.arg(prepared.deltas.len() + 1 + sets).arg(fence_key);
+    cmd.arg(prepared.deltas.len() + 1 + 2 * sets).arg(fence_key);
     let mut key = String::with_capacity(64);
     for (id, _) in &prepared.deltas {
         keys.write_counter_key(&mut key, *id);
         cmd.arg(key.as_str());
     }
-    for set in prepared.window_sets() {
-        write_set_key(&mut key, keys, prepared.group, set);
-        cmd.arg(key.as_str());
-    }
+    window_key_arguments(&mut cmd, &mut key, keys, prepared);
     cmd.arg(prepared.start)
         .arg(prepared.last)
         .arg(prepared.absent_fence)
@@ -255,16 +272,13 @@ fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: 
     order.sort_unstable();
     let hashes = order.chunk_by(|a, b| a.0 == b.0).count();
     let sets = prepared.window_sets().count();
-    cmd.arg(hashes + 1 + sets).arg(fence_key);
+    cmd.arg(hashes + 1 + 2 * sets).arg(fence_key);
     let mut key = String::with_capacity(64);
     for run in order.chunk_by(|a, b| a.0 == b.0) {
         keys.write_counter_key(&mut key, prepared.deltas[run[0].1].0);
         cmd.arg(key.as_str());
     }
-    for set in prepared.window_sets() {
-        write_set_key(&mut key, keys, prepared.group, set);
-        cmd.arg(key.as_str());
-    }
+    window_key_arguments(cmd, &mut key, keys, prepared);
     cmd.arg(prepared.start)
         .arg(prepared.last)
         .arg(prepared.absent_fence)
@@ -402,16 +416,17 @@ impl Applier {
         if code == REFUSED {
             let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
             let error = text(3).unwrap_or_default();
-            // The window sets are the last keys of the call.
+            // Each window's counts and leaders are the last keys of the call.
             let sets = prepared.window_sets().count();
             let counters = counter_keys(self.keys(), prepared);
             if sets > 0 && index >= counters {
                 let set = prepared
                     .window_sets()
-                    .nth(index - counters)
+                    .nth((index - counters) / 2)
                     .ok_or_else(unexpected)?;
+                let leaders = (index - counters) % 2 == 1;
                 let mut key = String::new();
-                write_set_key(&mut key, self.keys(), prepared.group, set);
+                write_set_key(&mut key, self.keys(), prepared.group, set, leaders);
                 return Ok(Err(ApplyError::BadKey {
                     key,
                     error,
@@ -627,6 +642,25 @@ mod tests {
             .collect();
         assert_eq!(expanded, deltas.map(|(_, d)| d));
         assert_eq!(super::runs(&[]).count(), 0);
+    }
+
+    #[test]
+    fn the_window_section_keeps_the_leaders_the_readers_expect() {
+        let lua = include_str!("windows.lua");
+        let constants = format!(
+            "local LEADERS_CAP, LEADERS_KEEP = {}, {}",
+            windows::LEADERS_CAP,
+            windows::LEADERS_KEEP
+        );
+        assert!(
+            lua.contains(&constants),
+            "windows.lua must say: {constants}"
+        );
+        let floor = format!("HGET', counts, '{}'", windows::FLOOR_FIELD);
+        assert!(
+            lua.contains(&floor),
+            "windows.lua must read the floor from {floor}"
+        );
     }
 
     #[test]

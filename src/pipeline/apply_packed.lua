@@ -3,11 +3,11 @@
 --
 -- KEYS[1]       the group's fence key (same hash slot as every hash)
 -- KEYS[2..]     the hashes <prefix>:packed:<n>[:{tag}] the counters live in,
---               then the W window sets (windows.lua)
+--               then, for each of W windows, its counts and its leaders (windows.lua)
 -- ARGV[1]       start: first offset the range covers (one past the fence the caller believes)
 -- ARGV[2]       last: last offset the range covers
 -- ARGV[3]       the fence to assume when the key is absent: the partition's origin - 1
--- ARGV[4]       W, the number of window sets
+-- ARGV[4]       W, the number of windows written
 -- ARGV[5..]     for each hash in order: m, then m pairs (field, delta); then
 --               the window section (windows.lua)
 --
@@ -21,7 +21,7 @@
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error, field}: HINCRBY refused field of KEYS[i]
 --     (a value that is not an integer, a key of another type, an overflow),
---     or {4, fence, i, error} for a window set KEYS[i] of another type;
+--     or {4, fence, i, error} for a window key KEYS[i] of another type;
 --     the deltas already added are taken back, so no count changes and the
 --     fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
@@ -56,10 +56,10 @@ local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type
 
 -- The arguments must cover every key, each with whole pairs.
 local w = tonumber(argv[4])
-if not w or w < 0 or w % 1 ~= 0 or w > #keys - 1 then
-  return redis.error_reply('ERR apply_packed.lua: ARGV[4] must count the window sets among KEYS')
+if not w or w < 0 or w % 1 ~= 0 or 2 * w > #keys - 1 then
+  return redis.error_reply('ERR apply_packed.lua: ARGV[4] must count the windows whose key pairs end KEYS')
 end
-local hashes = #keys - w
+local hashes = #keys - 2 * w
 local a, covered = 5, 1
 while covered < hashes and a <= #argv do
   local m = tonumber(argv[a])

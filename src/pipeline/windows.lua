@@ -1,19 +1,33 @@
 -- windows.lua: the window section both apply scripts take after their
 -- counters (see src/domain/windows.rs); this text is put before each script.
 --
--- ARGV[4]            W, the number of window sets, the last W keys of KEYS
--- KEYS[#KEYS-W+1..]  the sets <prefix>:win:<size>:<start>[:{tag}]
--- ARGV[at..]         after the counters' arguments, for each set in KEYS
+-- ARGV[4]            W, the number of windows written, the last 2W keys of KEYS
+-- KEYS[#KEYS-2W+1..] for each window, in pairs: its counts, the hash
+--                    <prefix>:win:<size>:<start>[:{tag}] (field: the post as
+--                    8 big-endian bytes, value: its net likes; field "floor":
+--                    the leaders' floor, 1 when absent), then its leaders,
+--                    the sorted set <prefix>:top:<size>:<start>[:{tag}]
+-- ARGV[at..]         after the counters' arguments, for each window in KEYS
 --                    order: expire_at (ms since the epoch), m, then m pairs
 --                    (member, delta)
 --
--- Every set is checked before the script's first write: a key of another
--- type is refused like a bad counter, so that ZINCRBY cannot fail half-way.
--- A member brought to 0 is removed (absent reads as 0), and PEXPIREAT with a
--- time already past deletes the set: a write to an expired window keeps
+-- The leaders hold exactly the posts whose count is at least the floor,
+-- each scored with its count. A write keeps that true: a count that reaches
+-- the floor enters or moves in the leaders, one that falls below it leaves.
+-- When the leaders pass LEADERS_CAP members, the floor rises to the count
+-- of the LEADERS_KEEP-th and every post below it leaves them, so the sorted
+-- set (each write to it a walk of its skiplist) stays small while every
+-- post's count stays in the hash.
+--
+-- Every key is checked before the script's first write: one of another type
+-- is refused like a bad counter, so that no write can fail half-way. A
+-- count brought to 0 is removed (absent reads as 0), and PEXPIREAT with a
+-- time already past deletes both keys: a write to an expired window keeps
 -- nothing.
 
--- Whether argv[at..] holds whole pairs for each of the w sets, to its end.
+local LEADERS_CAP, LEADERS_KEEP = 4000, 2000
+
+-- Whether argv[at..] holds whole pairs for each of the w windows, to its end.
 local function windows_shaped(argv, at, w)
   for _ = 1, w do
     local m = tonumber(argv[at + 1])
@@ -26,39 +40,59 @@ local function windows_shaped(argv, at, w)
 end
 
 -- NOPERM for a window command the caller lacks, {4, fence, i, error} for a
--- set KEYS[i] of another type, or nil.
+-- key KEYS[i] of another type, or nil.
 local function windows_refusal(keys, w, fence)
   if w == 0 then
     return nil
   end
-  local first = #keys - w + 1
-  for _, call in ipairs({{'ZINCRBY', keys[first], '1', 'm'}, {'ZREM', keys[first], 'm'}, {'PEXPIREAT', keys[first], '0'}, {'TYPE', keys[first]}}) do
+  local first = #keys - 2 * w + 1
+  local counts, leaders = keys[first], keys[first + 1]
+  for _, call in ipairs({{'HINCRBY', counts, 'm', '1'}, {'HDEL', counts, 'm'}, {'HGET', counts, 'm'}, {'HSET', counts, 'm', '1'},
+      {'ZADD', leaders, '1', 'm'}, {'ZREM', leaders, 'm'}, {'ZCARD', leaders}, {'ZREVRANGE', leaders, '0', '0'},
+      {'ZREMRANGEBYSCORE', leaders, '0', '0'}, {'PEXPIREAT', counts, '0'}, {'TYPE', counts}}) do
     if not redis.acl_check_cmd(unpack(call)) then
       return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
     end
   end
   for k = first, #keys do
+    local want = (k - first) % 2 == 0 and 'hash' or 'zset'
     local kind = redis.call('TYPE', keys[k]).ok
-    if kind ~= 'zset' and kind ~= 'none' then
-      return {4, fence, k, 'WRONGTYPE the window set holds a ' .. kind}
+    if kind ~= want and kind ~= 'none' then
+      return {4, fence, k, 'WRONGTYPE the window ' .. (want == 'hash' and 'counts' or 'leaders') .. ' key holds a ' .. kind}
     end
   end
   return nil
 end
 
--- Adds the window deltas and sets each set's expiry.
+-- Adds the window deltas, keeps each window's leaders and sets the expiry.
 local function apply_windows(keys, argv, at, w)
-  for k = #keys - w + 1, #keys do
-    local key, expire_at, m = keys[k], argv[at], tonumber(argv[at + 1])
+  for k = #keys - 2 * w + 1, #keys, 2 do
+    local counts, leaders = keys[k], keys[k + 1]
+    local expire_at, m = argv[at], tonumber(argv[at + 1])
+    local floor = tonumber(redis.call('HGET', counts, 'floor') or '1')
     at = at + 2
     for _ = 1, m do
-      local member = argv[at]
-      if tonumber(redis.call('ZINCRBY', key, argv[at + 1], member)) == 0 then
-        redis.call('ZREM', key, member)
+      local member, delta = argv[at], argv[at + 1]
+      local count = redis.call('HINCRBY', counts, member, delta)
+      if count == 0 then
+        redis.call('HDEL', counts, member)
+      end
+      if count >= floor then
+        redis.call('ZADD', leaders, count, member)
+      elseif count - delta >= floor then
+        redis.call('ZREM', leaders, member)
       end
       at = at + 2
     end
-    redis.call('PEXPIREAT', key, expire_at)
+    if redis.call('ZCARD', leaders) > LEADERS_CAP then
+      local kept = redis.call('ZREVRANGE', leaders, LEADERS_KEEP - 1, LEADERS_KEEP - 1, 'WITHSCORES')
+      local raised = tonumber(kept[2])
+      if raised > floor then
+        redis.call('ZREMRANGEBYSCORE', leaders, '-inf', '(' .. raised)
+        redis.call('HSET', counts, 'floor', raised)
+      end
+    end
+    redis.call('PEXPIREAT', counts, expire_at)
+    redis.call('PEXPIREAT', leaders, expire_at)
   end
 end
-

@@ -1,9 +1,10 @@
 //! Trending: a post's likes in one window, and the posts with the most.
 //!
-//! Invariant: a window read sums nothing. Each post has one member in one
-//! set per window (see [`crate::domain::windows`]), so its score is its
-//! count, and the trending list merges each slot group's leaders, which is
-//! exact. The window asked for is one the prefix keeps (its layout record
+//! Invariant: a window read sums nothing. Each post has one field in one
+//! group's counts per window (see [`crate::domain::windows`]), so its value
+//! is its count, and the trending list merges each slot group's top posts,
+//! read from its leaders when they decide it and from its counts otherwise,
+//! which is exact. The window asked for is one the prefix keeps (its layout record
 //! names them), picked by its size and an instant: the reader's clock unless
 //! the request names one. Answers are cached for the reader's `ttl`, like
 //! counts.
@@ -146,14 +147,14 @@ impl Reader {
         }
         let as_of_ms = wall_ms();
         let (_, keys) = self.layout().await?;
-        let set = keys.window_key(size, window.start_ms, post_id);
+        let counts = keys.window_key(size, window.start_ms, post_id);
         crate::infra::metrics::read_fetch();
-        let score: Option<f64> = self
+        let likes: Option<i64> = self
             .inner
             .store
             .call(|mut s| async move {
-                redis::cmd("ZSCORE")
-                    .arg(&set)
+                redis::cmd("HGET")
+                    .arg(&counts)
                     .arg(&windows::member(post_id)[..])
                     .query_async(&mut s)
                     .await
@@ -161,7 +162,7 @@ impl Reader {
             .await?;
         let count = WindowCount {
             post_id,
-            likes: score.unwrap_or(0.0) as i64,
+            likes: likes.unwrap_or(0),
             window,
             as_of_ms,
         };
@@ -189,7 +190,7 @@ impl Reader {
         let lists = futures::future::try_join_all(
             keys.window_keys(size, window.start_ms)
                 .into_iter()
-                .map(|set| leaders(store, set, limit)),
+                .map(|(counts, leaders)| group_top(store, counts, leaders, limit)),
         )
         .await?;
         let trending = Trending {
@@ -202,19 +203,23 @@ impl Reader {
     }
 }
 
-/// One set's `limit` leaders with a positive count, in the trending order
-/// (Redis orders equal scores by member, the post's big-endian bytes).
-async fn leaders(
+/// One slot group's `limit` first posts with a positive count, in the
+/// trending order. The leaders decide them when they hold `limit` posts, or
+/// when the floor is still 1 (every post with a like is a leader); the
+/// leaders are read first, so a floor raised in between only sends the read
+/// to the counts. Otherwise the group's counts are read whole and sorted.
+async fn group_top(
     store: &crate::infra::store::Shared,
-    set: String,
+    counts: String,
+    leaders: String,
     limit: usize,
 ) -> Result<Vec<Ranked>, RedisError> {
-    let members: Vec<(Vec<u8>, f64)> = store
+    let top: Vec<(Vec<u8>, f64)> = store
         .call(|mut s| {
-            let set = set.clone();
+            let leaders = leaders.clone();
             async move {
                 redis::cmd("ZREVRANGEBYSCORE")
-                    .arg(&set)
+                    .arg(&leaders)
                     .arg("+inf")
                     .arg("(0")
                     .arg("WITHSCORES")
@@ -226,13 +231,67 @@ async fn leaders(
             }
         })
         .await?;
-    Ok(members
-        .into_iter()
-        .filter_map(|(member, likes)| {
-            Some(Ranked {
-                post_id: windows::post_of(&member)?,
-                likes: likes as i64,
-            })
+    let ranked = |(member, likes): (Vec<u8>, i64)| {
+        Some(Ranked {
+            post_id: windows::post_of(&member)?,
+            likes,
         })
-        .collect())
+    };
+    let top: Vec<(Vec<u8>, i64)> = top.into_iter().map(|(m, s)| (m, s as i64)).collect();
+    if top.len() < limit {
+        let floor: Option<i64> = store
+            .call(|mut s| {
+                let counts = counts.clone();
+                async move {
+                    redis::cmd("HGET")
+                        .arg(&counts)
+                        .arg(windows::FLOOR_FIELD)
+                        .query_async(&mut s)
+                        .await
+                }
+            })
+            .await?;
+        if floor.unwrap_or(1) > 1 {
+            let all = every_count(store, counts).await?;
+            return Ok(windows::merge_top(
+                [all.into_iter().filter_map(ranked).collect()],
+                limit,
+            ));
+        }
+    }
+    Ok(top.into_iter().filter_map(ranked).collect())
+}
+
+/// Every (field, count) of a window's counts, the floor left out.
+async fn every_count(
+    store: &crate::infra::store::Shared,
+    counts: String,
+) -> Result<Vec<(Vec<u8>, i64)>, RedisError> {
+    let mut all = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        crate::infra::metrics::read_fetch();
+        let (next, page): (u64, Vec<(Vec<u8>, i64)>) = store
+            .call(|mut s| {
+                let counts = counts.clone();
+                async move {
+                    redis::cmd("HSCAN")
+                        .arg(&counts)
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut s)
+                        .await
+                }
+            })
+            .await?;
+        all.extend(
+            page.into_iter()
+                .filter(|(field, _)| field != windows::FLOOR_FIELD.as_bytes()),
+        );
+        if next == 0 {
+            return Ok(all);
+        }
+        cursor = next;
+    }
 }

@@ -45,7 +45,14 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         command: "top",
-        needs: &["ping", "hmget", "hgetall", "zrevrangebyscore"],
+        needs: &[
+            "ping",
+            "hget",
+            "hmget",
+            "hgetall",
+            "hscan",
+            "zrevrangebyscore",
+        ],
         warns: &[],
     },
     Rule {
@@ -118,14 +125,26 @@ pub const CLUSTER: &[&str] = &["cluster|slots"];
 pub const PACKED: &[&str] = &["hincrby", "hdel", "hlen"];
 
 /// What windows of trending counts add to the rules of the commands that
-/// write counters: the apply script checks each window set's type, adds with
-/// ZINCRBY, takes a post at 0 out with ZREM and sets the expiry with
-/// PEXPIREAT.
-pub const WINDOWS: &[&str] = &["zincrby", "zrem", "pexpireat", "type"];
+/// write counters: the apply script checks each window key's type, adds to
+/// the counts with HINCRBY (HDEL at 0), reads the floor with HGET (HSET when
+/// it rises), keeps the leaders with ZADD, ZREM, ZCARD, ZREVRANGE and
+/// ZREMRANGEBYSCORE, and sets the expiry with PEXPIREAT.
+pub const WINDOWS: &[&str] = &[
+    "hincrby",
+    "hdel",
+    "zadd",
+    "zrem",
+    "zcard",
+    "zrevrange",
+    "zremrangebyscore",
+    "pexpireat",
+    "type",
+];
 
 /// What windows add to `tally serve`'s rule: a post's likes in a window
-/// (ZSCORE) and the trending list (ZREVRANGEBYSCORE).
-pub const WINDOW_READS: &[&str] = &["zscore", "zrevrangebyscore"];
+/// (HGET), the trending list (ZREVRANGEBYSCORE, HGET of the floor, and HSCAN
+/// of the counts when the leaders cannot decide it).
+pub const WINDOW_READS: &[&str] = &["hget", "zrevrangebyscore", "hscan"];
 
 /// What each permission is for.
 const USES: &[(&str, &str)] = &[
@@ -148,7 +167,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hget",
-        "routing registry entries and the generation pointer",
+        "routing registry entries and the generation pointer; a window's floor, in the apply script, and a post's likes in one window (windows)",
     ),
     (
         "hmget",
@@ -160,11 +179,11 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hset",
-        "the layout record, routing versions, the generation and rebuild records",
+        "the layout record, routing versions, the generation and rebuild records; a window's floor when it rises, in the apply script (windows)",
     ),
     (
         "hdel",
-        "the mark of an unfreeze under way in the routing registry, once it finishes; a packed counter the apply script's undo brings back to 0 (packed layout)",
+        "the mark of an unfreeze under way in the routing registry, once it finishes; a packed counter the apply script's undo brings back to 0 (packed layout); a post whose likes in a window come back to 0 (windows)",
     ),
     (
         "hsetnx",
@@ -172,7 +191,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hincrby",
-        "hot-post windows; a post's next routing version (refused, `run` promotes no hot post); packed counters, in the apply script (packed layout: refused, nothing is written)",
+        "hot-post windows; a post's next routing version (refused, `run` promotes no hot post); packed counters, in the apply script (packed layout: refused, nothing is written); a post's likes in a window, in the apply script (windows: refused, nothing is written)",
     ),
     (
         "hlen",
@@ -210,13 +229,22 @@ const USES: &[(&str, &str)] = &[
         "naming the server and its version at start (refused, tally warns and goes on unchecked); counting the primaries' replicas, which routing versions wait for with `--registry-replicas auto` (refused, they wait for none, with a warning; `promote`, `demote` and `rebucket` do the same)",
     ),
     ("cluster|slots", "the slot map of a cluster"),
-    (
-        "zincrby",
-        "a post's likes in a window, in the apply script (windows: refused, nothing is written)",
-    ),
+    ("zadd", "a window's leaders, in the apply script (windows)"),
     (
         "zrem",
-        "a post whose likes in a window come back to 0, in the apply script (windows)",
+        "a post that falls below a window's floor leaves its leaders, in the apply script (windows)",
+    ),
+    (
+        "zcard",
+        "how many leaders a window has, in the apply script (windows)",
+    ),
+    (
+        "zrevrange",
+        "the count a window's floor rises to, in the apply script (windows)",
+    ),
+    (
+        "zremrangebyscore",
+        "the leaders below a risen floor leave, in the apply script (windows)",
     ),
     (
         "pexpireat",
@@ -224,11 +252,11 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "type",
-        "a window set's type, checked before the apply script's first write (windows)",
+        "a window key's type, checked before the apply script's first write (windows)",
     ),
     (
-        "zscore",
-        "a post's likes in one window (`serve` with windows)",
+        "hscan",
+        "a window's counts, read whole when its leaders cannot decide the trending list",
     ),
     ("zrevrangebyscore", "the trending list of a window"),
 ];

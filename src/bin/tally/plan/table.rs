@@ -278,12 +278,14 @@ fn windows(out: &mut String, plan: &Plan) {
     let n = thousands;
     let _ = writeln!(
         out,
-        "\nWindows ({:.0} B a post in a window; sets kept {} past their window)",
-        w.member_bytes, w.retention
+        "\nWindows ({:.0} B a post in a window, up to 4,000 leaders at {:.0} B; kept {} past their window)",
+        w.member_bytes,
+        super::windows::LEADER_BYTES,
+        w.retention
     );
     for size in &w.sizes {
         let note = format!(
-            "{} posts a window, {} sets alive",
+            "{} posts a window, {} windows alive",
             n(size.posts),
             size.sets_alive
         );

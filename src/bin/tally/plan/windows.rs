@@ -1,22 +1,29 @@
-//! The windows' price: Redis memory for the sorted sets of trending counts.
+//! The windows' price: Redis memory for the counts and leaders of trending
+//! counts.
 //!
-//! A window's set holds every post liked in it (the trending list stays exact
-//! only so), and a set lives from its window's start to its end plus the
-//! retention, so `1 + ⌈retention / size⌉` sets of a size are alive at once.
-//! A member costs `--window-member-bytes`, measured on one set of 1,000,000
-//! posts (docs/design.md, "Windows of trending counts").
+//! A window's counts hold every post liked in it (the trending list stays
+//! exact only so), its leaders at most `LEADERS_CAP` of them, and both live
+//! from the window's start to its end plus the retention, so
+//! `1 + ⌈retention / size⌉` windows of a size are alive at once. A post in
+//! the counts costs `--window-member-bytes`, measured on one hash of
+//! 1,000,000 posts; a leader [`LEADER_BYTES`], measured on one sorted set of
+//! 1,000,000 (docs/design.md, "Windows of trending counts").
 //!
 //! Invariant: the price follows from the inputs alone, size by size.
 
 use serde::Serialize;
-use tally::domain::windows::{Millis, WindowSize, parse_duration};
+use tally::domain::windows::{LEADERS_CAP, Millis, WindowSize, parse_duration};
 use tally::infra::config::{ConfigError, bad};
 
 use super::PlanArgs;
 
-/// Redis memory one post in one window's set costs (bytes; one set of
-/// 1,000,000 posts on redis-server 7.0.15; 80 on Valkey 9.1.2).
-pub const MEASURED_MEMBER_BYTES: f64 = 126.0;
+/// Redis memory one post in one window's counts costs (bytes; one hash of
+/// 1,000,000 posts on redis-server 7.0.15; 53 on Valkey 9.1.2).
+pub const MEASURED_MEMBER_BYTES: f64 = 64.0;
+
+/// Redis memory one post among a window's leaders costs (bytes; one sorted
+/// set of 1,000,000 posts on redis-server 7.0.15; 80 on Valkey 9.1.2).
+pub const LEADER_BYTES: f64 = 126.0;
 
 /// One window size's price.
 #[derive(Debug, Clone, Serialize)]
@@ -76,7 +83,8 @@ pub fn windows(args: &PlanArgs) -> Result<Option<Windows>, ConfigError> {
             window: size.to_string(),
             posts,
             sets_alive,
-            memory_bytes: posts * sets_alive as f64 * args.window_member_bytes,
+            memory_bytes: sets_alive as f64
+                * (posts * args.window_member_bytes + posts.min(LEADERS_CAP as f64) * LEADER_BYTES),
         });
     }
     Ok(Some(Windows {
@@ -104,7 +112,8 @@ mod tests {
         let priced = windows(&args).unwrap().unwrap();
         let day = &priced.sizes[0];
         assert_eq!(day.sets_alive, 2);
-        assert!((day.memory_bytes - 2.0 * 1e7 * MEASURED_MEMBER_BYTES).abs() < 1.0);
+        let leaders = LEADERS_CAP as f64 * LEADER_BYTES;
+        assert!((day.memory_bytes - 2.0 * (1e7 * MEASURED_MEMBER_BYTES + leaders)).abs() < 1.0);
         assert_eq!(priced.sizes[1].sets_alive, 25);
         assert_eq!(priced.retention, "1d");
         let wrong = parse_flags::<PlanArgs>(&["--window-posts", "1d:10"]).unwrap();
