@@ -80,8 +80,7 @@ pub struct TallyContext {
     queue: Mutex<Vec<Rebalanced>>,
     /// Where each partition's log ended for a `read_committed` reader (its
     /// last stable offset) at librdkafka's last statistics, at most
-    /// [`STATISTICS_INTERVAL_MS`] old, or at the partition's assignment
-    /// until the first statistics that name it.
+    /// [`STATISTICS_INTERVAL_MS`] old.
     ends: Mutex<HashMap<i32, i64>>,
     /// Set after a change is queued, so the main loop's check after every
     /// message is one atomic read rather than a lock.
@@ -261,8 +260,8 @@ impl TallyContext {
         *self.fences.lock().unwrap_or_else(|e| e.into_inner()) = fences;
     }
 
-    /// Where `partition`'s log ended at librdkafka's last statistics that
-    /// reported the partition, or else at its assignment.
+    /// Where `partition`'s log ended at librdkafka's last statistics, if it
+    /// reported the partition.
     pub fn log_end(&self, partition: i32) -> Option<i64> {
         self.ends
             .lock()
@@ -317,9 +316,8 @@ impl TallyContext {
         let mut resume = Vec::with_capacity(partitions.len());
         // The log may have changed since the fences were written (topic
         // recreated, retention): each resume offset is placed in its log
-        // before anything is fetched. The same read gives every partition's
-        // end for `log_end`, fences or not. A broker that does not answer in
-        // time leaves the rest to the check of fetched offsets.
+        // before anything is fetched. A broker that does not answer in time
+        // leaves the rest to the check of fetched offsets.
         let mut watermarks = true;
         for (i, &partition) in partitions.iter().enumerate() {
             let found = fences.as_ref().map(|f| f[i].clone());
@@ -329,20 +327,12 @@ impl TallyContext {
             {
                 error!(partition, %error, "Cannot position partition at its fence.");
             }
-            let marks = watermarks
-                .then(|| guard::watermarks(consumer, &self.topic, partition, LOG_TIMEOUT))
-                .flatten();
-            watermarks = marks.is_some();
-            if let Some((_, high)) = marks {
-                // Until librdkafka's statistics name the partition, a
-                // backlog is told by its end at the assignment.
-                self.ends
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(partition, high);
-            }
-            let log = match (offset, marks) {
-                (Some(Offset::Offset(o)), Some((low, high))) => Some(guard::fit(o, low, high)),
+            let log = match offset {
+                Some(Offset::Offset(o)) if watermarks => {
+                    let marks = guard::watermarks(consumer, &self.topic, partition, LOG_TIMEOUT);
+                    watermarks = marks.is_some();
+                    marks.map(|(low, high)| guard::fit(o, low, high))
+                }
                 _ => None,
             };
             resume.push(match (offset, &found) {

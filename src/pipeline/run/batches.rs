@@ -111,8 +111,7 @@ impl Pipeline {
     /// interval, or, while the log held at least [`BEHIND_BY`] more messages
     /// than the consumer has read at librdkafka's last statistics (half a
     /// second old at most, so a partition that caught up since looks caught
-    /// up; before the first, at the assignment; unknown when neither was
-    /// read, which counts as caught up),
+    /// up; unknown before the first, which counts as caught up),
     /// at [`BEHIND_FLUSH_FACTOR`] times it. A
     /// partition catching up then sends batches that its limits close: at a
     /// backlog's pace a 100 ms batch holds a fraction of its counters' events,
