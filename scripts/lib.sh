@@ -15,6 +15,19 @@ as_root() {
     fi
 }
 
+# Stops with one line when the file system holding $2 (default: the working directory) has less
+# than $1 GiB free: a build or a broker that runs out of space fails half-way, with an error
+# that names a file rather than the disk.
+ensure_disk_space() {
+    local need_gib=$1 dir=${2:-.}
+    local free_kib
+    free_kib=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+    if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need_gib * 1024 * 1024)) ]; then
+        say "only $((free_kib / 1024 / 1024)) GiB free under $(cd "$dir" && pwd), $need_gib GiB needed: free some (cargo clean; old tally-bench* and tally-test-kafka.* directories in ${TMPDIR:-/tmp}) and run again"
+        exit 1
+    fi
+}
+
 # Installs Debian's redis-server when it is not on PATH.
 ensure_redis() {
     if command -v redis-server >/dev/null 2>&1; then

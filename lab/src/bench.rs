@@ -48,9 +48,10 @@
 //!
 //! With `--reread WINDOW` (repeatable; `--reread-only` skips the workloads), a
 //! group of `tally run --dedupe ids` processes is scaled 1 → 4 → 1 under load,
-//! and each partition that changes hands is timed from its assignment to its
-//! first apply, beside the re-read of its dedupe window ([`reread`]); the
-//! table has a block of its own.
+//! and each partition that changes hands is timed: how long its counts pause,
+//! from its assignment to its first apply, and the re-read of its dedupe
+//! window ([`reread`]); window 0 scales the group without dedupe. The table
+//! has a block of its own.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -163,8 +164,8 @@ pub struct BenchConfig {
     /// Measure the re-read of the dedupe window at a rebalance with a window of this many
     /// offsets, repeatable (--reread 100000 --reread 1000000): a group of `tally run --dedupe
     /// ids --dedupe-window W` processes scales 1 → 4 → 1 under load on a topic of its own, and
-    /// a table gives each moved partition's time from assignment to first apply and its
-    /// re-read. Not measured unless given.
+    /// a table gives each moved partition's pause, its time from assignment to first apply
+    /// and its re-read. Window 0 scales the group without dedupe. Not measured unless given.
     #[arg(long = "reread", value_name = "WINDOW")]
     pub reread: Vec<u64>,
 
@@ -209,8 +210,15 @@ impl BenchConfig {
             );
         }
         let most = tally::pipeline::dedupe::MAX_WINDOW;
-        if self.reread.iter().any(|&w| !(1000..=most).contains(&w)) {
-            return bad("reread", &format!("a window is 1000 to {most} offsets"));
+        if self
+            .reread
+            .iter()
+            .any(|&w| w != 0 && !(1000..=most).contains(&w))
+        {
+            return bad(
+                "reread",
+                &format!("a window is 1000 to {most} offsets, or 0 for none"),
+            );
         }
         if let Some(cpus) = &self.cpus {
             let runs = std::process::Command::new("taskset")
@@ -441,13 +449,14 @@ pub async fn baseline(args: BaselineArgs) -> Result<()> {
 /// Runs `tally-lab bench` on the `tally` binary `tally` names.
 pub async fn bench(config: BenchConfig, tally: Tally) -> Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
-    tokio::task::spawn_blocking(move || bench_blocking(config, tally))
+    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir()?;
+    local::clean_up_on_signal(dir.path().to_path_buf())?;
+    tokio::task::spawn_blocking(move || bench_blocking(config, tally, dir))
         .await
         .context("the benchmark thread failed")?
 }
 
-fn bench_blocking(config: BenchConfig, tally: Tally) -> Result<()> {
-    let dir = tempfile::Builder::new().prefix("tally-bench").tempdir()?;
+fn bench_blocking(config: BenchConfig, tally: Tally, dir: tempfile::TempDir) -> Result<()> {
     let (_redis, redis) = start_redis(dir.path())?;
     let (_valkey, valkey) = match &config.valkey_server {
         Some(program) => {

@@ -6,6 +6,9 @@
 //! Each runs in a process group of its own: Ctrl-C in a terminal signals the
 //! whole foreground group, and the services must outlive tally's own
 //! shutdown, which still reads and writes them; the handle stops them after.
+//! A command that cannot drop its handles when a signal ends it (the
+//! benchmarks, which run on a blocking thread) kills its children and removes
+//! their directory itself ([`clean_up_on_signal`]).
 
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -45,6 +48,81 @@ impl Drop for Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits, on the runtime, for SIGINT, SIGTERM or SIGHUP; then kills every child of this process
+/// (a child that leads a process group of its own with its whole group: the broker's JVM is
+/// its script's child), removes `dir` with what the services wrote there, and exits with 130.
+/// Without it an interrupted benchmark would leave its broker and stores running and their
+/// logs, often gigabytes, on the disk.
+pub fn clean_up_on_signal(dir: PathBuf) -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+    let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    let mut hangup = signal(SignalKind::hangup()).context("listening for SIGHUP")?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = interrupt.recv() => "SIGINT",
+            _ = terminate.recv() => "SIGTERM",
+            _ = hangup.recv() => "SIGHUP",
+        };
+        eprintln!(
+            "{name}: stopping every process this command started and removing {}",
+            dir.display()
+        );
+        kill_children();
+        // The kernel closes a killed process's files at once, but its children may take a
+        // moment to be reaped; a second pass removes what a late writer added.
+        for _ in 0..2 {
+            let _ = std::fs::remove_dir_all(&dir);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        std::process::exit(130);
+    });
+    Ok(())
+}
+
+/// SIGKILLs every child of this process, each group leader with its group.
+fn kill_children() {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((parent, group)) = parent_and_group(&stat) else {
+            continue;
+        };
+        if parent != me {
+            continue;
+        }
+        let target = if group == pid {
+            format!("-{pid}")
+        } else {
+            pid.to_string()
+        };
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &target])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// The parent and process group in a `/proc/PID/stat` line (`pid (comm) state ppid pgrp ...`;
+/// the command name may hold spaces and parentheses, so the fields are counted from its end).
+fn parent_and_group(stat: &str) -> Option<(u32, u32)> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace().skip(1);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
 }
 
 /// A free TCP port on the loopback interface.
@@ -212,4 +290,18 @@ pub fn store(redis_url: &str, prefix: &str) -> Result<StoreSettings> {
 pub fn settings_error(problems: Vec<ConfigError>) -> anyhow::Error {
     let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
     anyhow::anyhow!("{}", lines.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stat_line_gives_its_parent_and_group_whatever_the_command_name() {
+        let stat = "4242 (java (kafka) x) S 100 4242 4242 0 -1 4194560 2 0 0 0";
+        assert_eq!(parent_and_group(stat), Some((100, 4242)));
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let (parent, _) = parent_and_group(&own).unwrap();
+        assert_eq!(parent, std::os::unix::process::parent_id());
+    }
 }

@@ -1,6 +1,7 @@
 //! Re-reading the dedupe window at a rebalance (`--reread WINDOW`, repeatable): how long a
 //! partition that changes hands waits before its new owner applies it, while a group of
-//! `tally run --dedupe ids` processes scales from 1 to 4 and back to 1 under load.
+//! `tally run --dedupe ids` processes scales from 1 to 4 and back to 1 under load. Window 0
+//! runs the same steps without dedupe: the pause a rebalance costs with nothing to re-read.
 //!
 //! For each window `W`, on a topic of its own (`--partitions` partitions), with a new group
 //! and key prefix on a Redis emptied first:
@@ -23,6 +24,13 @@
 //! first apply; the process's `Dedupe window re-read` line gives that partition's re-read, in
 //! offsets and seconds; and the processes' `tally_dedupe_reread_seconds` (count and sum,
 //! before and after the step) the re-reads the histogram timed.
+//!
+//! A move's *pause* is what its partition's counts wait: from the last poll that saw any
+//! process (the stopping ones too, until they exit) advance the partition's applied offset
+//! before the new owner's first apply, to that first apply. It holds the old owner's last
+//! batch and commit, the group's hand-over, and the new owner's placing, re-read and first
+//! batch; with traffic on every partition, a partition that does not move is applied every
+//! flush interval, which is the floor of the figure.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -97,6 +105,8 @@ struct Move {
     /// The process's applied offset of the partition before the assignment.
     baseline: Option<f64>,
     first_apply: Option<Instant>,
+    /// From the partition's last advance by any process to `first_apply`.
+    paused: Option<Duration>,
     /// Seconds and offsets of its re-read, from the process's log line.
     reread: Option<(f64, i64)>,
 }
@@ -132,8 +142,10 @@ impl Member {
         let log = env.dir.join(format!("{topic}-{index}.log"));
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let mut args = env.tally_args.clone();
-        args.extend(["--dedupe", "ids", "--dedupe-window"].map(String::from));
-        args.push(window.to_string());
+        if window > 0 {
+            args.extend(["--dedupe", "ids", "--dedupe-window"].map(String::from));
+            args.push(window.to_string());
+        }
         let child =
             env.spawn_tally_run([topic, topic, topic], metrics, &args, File::create(&log)?)?;
         Ok(Self {
@@ -290,16 +302,21 @@ fn one_window(
     let mut conn = redis_conn(&env.redis)?;
     redis::cmd("FLUSHALL").arg("SYNC").query::<()>(&mut conn)?;
     let backlog = window * u64::from(partitions) * 5 / 4;
-    eprintln!("reread, window {window}: producing a backlog of {backlog} events...");
-    let (mut truth, backlog, _) = produce(
-        env,
-        &topic,
-        shape,
-        Some(backlog),
-        None,
-        7,
-        &AtomicBool::new(false),
-    )?;
+    let (mut truth, backlog) = if backlog > 0 {
+        eprintln!("reread, window {window}: producing a backlog of {backlog} events...");
+        let (truth, backlog, _) = produce(
+            env,
+            &topic,
+            shape,
+            Some(backlog),
+            None,
+            7,
+            &AtomicBool::new(false),
+        )?;
+        (truth, backlog)
+    } else {
+        (FxHashMap::default(), 0)
+    };
     let mut events = backlog + seal(&env.brokers, &topic, &mut truth)?;
     let marks = tally_run::settled_watermarks(&env.brokers, &topic, partitions, events)?;
     let fill = marks
@@ -403,17 +420,17 @@ fn scale(
     for index in 1..SCALED {
         members.push(Member::start(env, topic, index, window)?);
     }
-    let up = follow(members, "1 → 4", partitions, before, began)?;
+    let up = follow(members, &mut [], "1 → 4", partitions, before, began)?;
     std::thread::sleep(SETTLE);
     let before = timed(members)?;
     let began = Instant::now();
     for member in &members[1..] {
         member.sigterm();
     }
-    // Stopping processes wait for their batches in flight; their logs say nothing more
-    // that a step needs.
-    let stopping: Vec<Member> = members.drain(1..).collect();
-    let down = follow(members, "4 → 1", partitions, before, began);
+    // Stopping processes apply and commit their batches in flight; they are read until
+    // they exit, for the last advance of each partition they give up.
+    let mut stopping: Vec<Member> = members.drain(1..).collect();
+    let down = follow(members, &mut stopping, "4 → 1", partitions, before, began);
     drop(stopping);
     Ok(vec![up, down?])
 }
@@ -432,17 +449,26 @@ fn timed(members: &mut [Member]) -> Result<Vec<(f64, f64)>> {
 }
 
 /// Follows a step from `began` until every move is applied and each member holds partitions,
-/// together all of them; `before` are the members' histograms at the step's start.
+/// together all of them; `before` are the members' histograms at the step's start. The
+/// `stopping` members are read for their applies only.
 fn follow(
     members: &mut [Member],
+    stopping: &mut [Member],
     label: &'static str,
     partitions: u32,
     before: Vec<(f64, f64)>,
     began: Instant,
 ) -> Result<Step> {
     let mut moves: Vec<Move> = Vec::new();
+    // When some process last advanced each partition's applied offset.
+    let mut advanced: HashMap<i32, Instant> = (0..partitions as i32).map(|p| (p, began)).collect();
     loop {
         let now = Instant::now();
+        for member in stopping.iter_mut() {
+            let previous = member.applied.clone();
+            member.scrape();
+            note_advances(&mut advanced, &previous, &member.applied, now);
+        }
         for (index, member) in members.iter_mut().enumerate() {
             member.alive()?;
             let previous = member.applied.clone();
@@ -455,6 +481,7 @@ fn follow(
                         assigned: now,
                         baseline: previous.get(&partition).copied(),
                         first_apply: None,
+                        paused: None,
                         reread: None,
                     });
                 }
@@ -471,8 +498,10 @@ fn follow(
                 let applied = member.applied.get(&m.partition).copied();
                 if m.first_apply.is_none() && applied.is_some() && applied != m.baseline {
                     m.first_apply = Some(now);
+                    m.paused = Some(now.saturating_duration_since(advanced[&m.partition]));
                 }
             }
+            note_advances(&mut advanced, &previous, &member.applied, now);
         }
         let held: Vec<f64> = members.iter().map(|m| m.assigned).collect();
         let settled = held.iter().all(|&n| n > 0.0)
@@ -482,10 +511,11 @@ fn follow(
         if settled {
             for m in &moves {
                 eprintln!(
-                    "  {label}: partition {} to process {}: first apply after {:.3} s, re-read {:?}",
+                    "  {label}: partition {} to process {}: first apply after {:.3} s, paused {:.3} s, re-read {:?}",
                     m.partition,
                     m.member,
                     m.to_first_apply().unwrap_or(f64::NAN),
+                    m.paused.map_or(f64::NAN, |d| d.as_secs_f64()),
                     m.reread
                 );
             }
@@ -515,6 +545,20 @@ fn follow(
             );
         }
         std::thread::sleep(POLL.saturating_sub(now.elapsed()));
+    }
+}
+
+/// Notes `now` for each partition whose applied offset moved from `previous` to `current`.
+fn note_advances(
+    advanced: &mut HashMap<i32, Instant>,
+    previous: &HashMap<i32, f64>,
+    current: &HashMap<i32, f64>,
+    now: Instant,
+) {
+    for (partition, offset) in current {
+        if previous.get(partition) != Some(offset) {
+            advanced.insert(*partition, now);
+        }
     }
 }
 
@@ -554,7 +598,8 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
     writeln!(
         out,
         "Date: {}. Measured: {version} (`tally --version`: release and git revision), \
-         each process started as `tally run --dedupe ids --dedupe-window W{}`, on Apache Kafka {} \
+         each process started as `tally run --dedupe ids --dedupe-window W{}` (window 0: without \
+         `--dedupe`), on Apache Kafka {} \
          (one KRaft node) and redis-server {} on the same machine; {partitions} partitions; \
          load {} events/s while the group scales.\n",
         today_utc(),
@@ -565,12 +610,17 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
     )?;
     writeln!(
         out,
-        "| window (offsets) | step | partitions moved | assignment → first apply, s (median / max) | re-read, s (median / max) | offsets re-read (median) | re-reads in `tally_dedupe_reread_seconds` | their mean, s | step done, s |"
+        "| window (offsets) | step | partitions moved | pause: last apply by anyone → new owner's first, s (median / max) | assignment → first apply, s (median / max) | re-read, s (median / max) | offsets re-read (median) | re-reads in `tally_dedupe_reread_seconds` | their mean, s | step done, s |"
     )?;
-    writeln!(out, "|---:|---|---:|---|---|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---|---:|---|---|---|---:|---:|---:|---:|")?;
     for m in measured {
         for step in &m.steps {
             let mut first: Vec<f64> = step.moves.iter().filter_map(Move::to_first_apply).collect();
+            let mut paused: Vec<f64> = step
+                .moves
+                .iter()
+                .filter_map(|m| Some(m.paused?.as_secs_f64()))
+                .collect();
             let mut reread: Vec<f64> = step
                 .moves
                 .iter()
@@ -592,10 +642,11 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
             };
             writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {count:.0} | {mean} | {:.1} |",
-                thousands(m.window),
+                "| {} | {} | {} | {} | {} | {} | {} | {count:.0} | {mean} | {:.1} |",
+                window_label(m.window),
                 step.label,
                 step.moves.len(),
+                pair(median_max(&mut paused)),
                 pair(median_max(&mut first)),
                 pair(median_max(&mut reread)),
                 median_max(&mut offsets).map_or_else(dash, |(med, _)| thousands(med as u64)),
@@ -609,14 +660,21 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
             || "–".to_string(),
             |kib| format!("{:.0} MiB", kib as f64 / 1024.0),
         );
+        let held = if m.window == 0 {
+            "without dedupe".to_string()
+        } else {
+            format!(
+                "with their windows full (a backlog of {} events; {} events remembered)",
+                thousands(m.backlog),
+                thousands(m.remembered as u64)
+            )
+        };
         writeln!(
             out,
-            "Window {}: one process holding all {} partitions with their windows full (a backlog of {} events; {} events remembered) had a peak RSS of {rss}; \
+            "Window {}: one process holding all {} partitions {held} had a peak RSS of {rss}; \
              the producer reached {} events/s during the steps; sampled counts {}.  ",
-            thousands(m.window),
+            window_label(m.window),
             m.partitions,
-            thousands(m.backlog),
-            thousands(m.remembered as u64),
             thousands(m.reached_rate),
             match m.checked {
                 (n, 0) => format!("exact ({n} posts)"),
@@ -625,6 +683,15 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
         )?;
     }
     Ok(out)
+}
+
+/// A window's name in the table: its offsets, or that there is none.
+fn window_label(window: u64) -> String {
+    if window == 0 {
+        "0 (no dedupe)".to_string()
+    } else {
+        thousands(window)
+    }
 }
 
 /// The benchmark's `--tally-arg`s, as they follow the window on the command line.
