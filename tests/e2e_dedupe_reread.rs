@@ -179,3 +179,127 @@ fn a_short_partition_applies_while_a_long_one_rereads() {
     let status = b.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "{}", b.log_tail(30));
 }
+
+/// Copies of the likes `likes(partition, first, n, ..)` made: the same ids, posts and users.
+fn copies(partition: i32, first: usize, n: usize) -> Vec<Msg> {
+    likes(partition, first, n, &mut HashMap::new())
+}
+
+/// The partition whose window `log` says was taken up from an earlier ownership, and the
+/// offset its re-read started at.
+fn kept_window(log: &str) -> Option<(i32, i64)> {
+    let line = log
+        .lines()
+        .find(|l| l.contains("Dedupe window kept from an earlier ownership"))?;
+    Some((field(line, "partition") as i32, field(line, "from") as i64))
+}
+
+#[test]
+fn a_partition_coming_back_rereads_only_what_was_applied_since_it_left() {
+    const FIRST: usize = 20_000;
+    const SECOND: usize = 5_000;
+    const THIRD: usize = 3_000;
+    const COPIED: usize = 1_000;
+    let run = Scenario::new("e2e_dedupe_reread", "kept", 2);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let mut args = run.tally_args(&redis.url());
+    args.extend(
+        [
+            "--dedupe",
+            "ids",
+            "--dedupe-window",
+            "100000",
+            "--flush-interval-ms",
+            "20",
+        ]
+        .map(String::from),
+    );
+    let mut truth = HashMap::new();
+    let mut produced = 0;
+    let send = |messages: Vec<Msg>, produced: &mut usize| {
+        *produced += messages.len();
+        produce(&run.brokers, &run.topic, messages);
+    };
+
+    // tally-a counts the first likes alone, from the origin: nothing to re-read.
+    let mut first = likes(0, 0, FIRST, &mut truth);
+    first.extend(likes(1, 0, FIRST, &mut truth));
+    send(first, &mut produced);
+    let mut a = Tally::spawn_args("tally-a", &args);
+    let hwms = run.hwms(produced);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        a.assert_running()
+    });
+
+    // tally-b joins and takes one partition, re-reading its window whole.
+    let mut b = Tally::spawn_args("tally-b", &args);
+    let moved = wait_for(
+        "tally-b to re-read a partition",
+        Duration::from_secs(60),
+        || {
+            b.assert_running();
+            a.assert_running();
+            let log = b.log_text();
+            (0..2).find(|&p| reread_end(&log, p).is_some())
+        },
+    );
+    let stayed = 1 - moved;
+    let line = reread_end(&b.log_text(), moved).unwrap();
+    assert_eq!(field(&line, "offsets"), FIRST as f64, "{line}");
+
+    // New likes and copies of the first ones, counted by both.
+    let mut second = Vec::new();
+    for p in 0..2 {
+        second.extend(likes(p, FIRST, SECOND, &mut truth));
+        second.extend(copies(p, 0, COPIED));
+    }
+    send(second, &mut produced);
+    let hwms = run.hwms(produced);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        a.assert_running();
+        b.assert_running();
+    });
+    run.assert_exact(&mut conn, &truth);
+
+    // tally-b leaves: tally-a takes its partition back with the window it left with, and
+    // re-reads only what tally-b applied.
+    let status = b.sigterm_and_wait(Duration::from_secs(30));
+    assert!(status.success(), "{}", b.log_tail(30));
+    let (partition, from) = wait_for(
+        "tally-a to take up its kept window",
+        Duration::from_secs(60),
+        || {
+            a.assert_running();
+            kept_window(&a.log_text())
+        },
+    );
+    assert_eq!(partition, moved);
+    assert_eq!(from, FIRST as i64, "the window had seen the first likes");
+    let line = wait_for("tally-a's re-read to end", Duration::from_secs(60), || {
+        a.assert_running();
+        reread_end(&a.log_text(), moved)
+    });
+    assert_eq!(field(&line, "offsets"), (SECOND + COPIED) as f64, "{line}");
+    assert!(
+        reread_end(&a.log_text(), stayed).is_none(),
+        "the partition that stayed re-read:\n{}",
+        a.log_tail(40)
+    );
+
+    // Copies of both earlier rounds and new likes: only the new ones count.
+    let mut third = Vec::new();
+    for p in 0..2 {
+        third.extend(likes(p, FIRST + SECOND, THIRD, &mut truth));
+        third.extend(copies(p, FIRST - COPIED, COPIED));
+        third.extend(copies(p, FIRST, COPIED));
+    }
+    send(third, &mut produced);
+    let hwms = run.hwms(produced);
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(120), || {
+        a.assert_running()
+    });
+    run.assert_exact(&mut conn, &truth);
+    let status = a.sigterm_and_wait(Duration::from_secs(30));
+    assert!(status.success(), "{}", a.log_tail(30));
+}

@@ -119,6 +119,8 @@ pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
 /// its restart (assignment, resync, a new generation) until the first record
 /// above the fences could be decided.
 pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
+/// Dedupe windows of partitions given up, kept in case they come back.
+pub const DEDUPE_WINDOWS_KEPT: &str = "tally_dedupe_windows_kept";
 /// Per partition, the age of the re-read running now (0 when none runs).
 pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
 /// Per partition, the offsets the running re-read has left below the fences
@@ -340,6 +342,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Seconds a partition's dedupe window took to be re-read from the log below its fences, from the partition's assignment (or resync, or new generation) until its first record above them could be decided; nothing above them is applied meanwhile.",
     ),
     (
+        DEDUPE_WINDOWS_KEPT,
+        Kind::Gauge,
+        "Dedupe windows of partitions this consumer gave up, kept for 10 minutes so that a partition coming back re-reads only the offsets applied since; with the owned ones never more than the most partitions it owned at once.",
+    ),
+    (
         DEDUPE_REREAD_AGE,
         Kind::Gauge,
         "Per partition, seconds since the dedupe window's re-read that is running now began (0 when none runs).",
@@ -450,6 +457,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
     gauge!(DEDUPE_REMEMBERED).set(0.0);
+    gauge!(DEDUPE_WINDOWS_KEPT).set(0.0);
     counter!(WINDOW_LATE).absolute(0);
     // Registered so that its series exist before the first re-read ends.
     let _ = histogram!(DEDUPE_REREAD_SECONDS);
@@ -486,6 +494,11 @@ pub fn dedupe_window(partition: i32, seconds: f64) {
 /// Records how many events the dedupe windows remember.
 pub fn dedupe_remembered(events: usize) {
     gauge!(DEDUPE_REMEMBERED).set(events as f64);
+}
+
+/// Records how many windows of partitions given up are kept.
+pub fn dedupe_windows_kept(windows: usize) {
+    gauge!(DEDUPE_WINDOWS_KEPT).set(windows as f64);
 }
 
 /// Records a partition's running re-read: its age and the offsets it has

@@ -35,14 +35,16 @@
 //! * (dedupe) a partition re-reading the log below its fences to rebuild its
 //!   window holds back only itself: its records fill the window as they
 //!   arrive, are never routed or batched, and every other partition is
-//!   decided and applied meanwhile (see `intake`);
+//!   decided and applied meanwhile (see `intake`); a partition coming back
+//!   within minutes takes up the window it left with and re-reads only what
+//!   was applied since (see `kept`);
 //! * (live mode) no batch is dispatched while the freeze flag names the next
 //!   generation, and when the generation pointer moves, every batch in flight
 //!   finishes before the keys change; every owned partition then restarts at
 //!   its fences in the new generation (see [`crate::ops::rebuild`] for the cut-over).
 //!
 //! Parts: `intake` (ownership changes, and messages entering a partition's
-//! batch), `batches` (when a batch is sent, and what its reply does), `reader` (a partition's messages taken off the polling thread),
+//! batch), `kept` (the dedupe windows of partitions given up), `batches` (when a batch is sent, and what its reply does), `reader` (a partition's messages taken off the polling thread),
 //! `scripts` (a closed batch planned and sent as one script per slot group),
 //! `follow` (switching generations), `start` (the checks before the consumer
 //! subscribes); this file runs the loop.
@@ -81,11 +83,13 @@ use crate::pipeline::hot::{Detector, Policy};
 mod batches;
 mod follow;
 mod intake;
+mod kept;
 mod reader;
 mod scripts;
 mod start;
 
 use intake::{IdleOwnership, Intake, Owning};
+use kept::KeptWindows;
 use reader::{Event, Reading, View};
 use scripts::Done;
 pub use start::writer_layout;
@@ -386,6 +390,8 @@ struct Pipeline {
     busy: HashSet<i32>,
     in_flight: FuturesUnordered<JoinHandle<Done>>,
     epochs: u64,
+    /// Dedupe windows of partitions given up, in case they come back.
+    kept: KeptWindows,
     /// A full batch is waiting for its partition or for a free slot.
     blocked: bool,
     /// Cancelled when shutdown gives up waiting for in-flight batches.
@@ -450,6 +456,7 @@ impl Pipeline {
             busy: HashSet::new(),
             in_flight: FuturesUnordered::new(),
             epochs: 0,
+            kept: KeptWindows::default(),
             blocked: false,
             abandon: CancellationToken::new(),
             idle: IdleOwnership::default(),
@@ -488,6 +495,7 @@ impl Pipeline {
                     if self.settings.dedupe.on() {
                         intake::report_windows(&self.owned);
                         self.report_rereads();
+                        self.kept.trim(self.owned.len(), Instant::now());
                     }
                 }
                 Some(event) = self.events.recv() => self.heard(event)?,
@@ -741,6 +749,7 @@ impl Pipeline {
             groups,
             changes,
             self.settings.dedupe,
+            &mut self.kept,
         ) {
             self.blocked = false;
             self.start_readers(assigned);

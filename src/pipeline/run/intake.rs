@@ -44,6 +44,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::kept::KeptWindows;
 use crate::domain::fence::{PartitionFences, Tracker};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::RouteTable;
@@ -220,7 +221,8 @@ impl Owned {
 /// while a received message still borrows the consumer: the callback that
 /// queued the changes ran inside that very `recv()`, and the message may
 /// belong to a partition assigned by it. A revoked partition's reader is
-/// told to stop.
+/// told to stop, and its dedupe window is kept in `kept` in case the
+/// partition comes back.
 pub(super) fn apply_changes(
     owned: &mut Owning,
     committer: &mut Committer,
@@ -228,6 +230,7 @@ pub(super) fn apply_changes(
     groups: usize,
     changes: Vec<Rebalanced>,
     dedupe: DedupeSettings,
+    kept: &mut KeptWindows,
 ) -> Option<Vec<i32>> {
     if changes.is_empty() {
         return None;
@@ -271,7 +274,9 @@ pub(super) fn apply_changes(
                         placing: false,
                         position: None,
                     };
-                    restart_window(a.partition, &mut state, dedupe);
+                    if !resume_kept_window(a.partition, &mut state, kept, dedupe) {
+                        restart_window(a.partition, &mut state, dedupe);
+                    }
                     if let Some(previous) = owned.insert(a.partition, Arc::new(Slot::new(state))) {
                         previous.stop.cancel();
                     }
@@ -282,6 +287,12 @@ pub(super) fn apply_changes(
                 for p in partitions {
                     if let Some(slot) = owned.remove(&p) {
                         slot.stop.cancel();
+                        let mut state = slot.lock();
+                        if let (Some(window), Some((origin, _))) =
+                            (state.window.take(), state.known.as_ref())
+                        {
+                            kept.keep(p, *origin, window, owned.len());
+                        }
                     }
                     committer.forget(p);
                     metrics::consumer_lag(p, 0);
@@ -304,6 +315,7 @@ pub(super) fn apply_changes(
                 health::unassigned();
             }
         }
+        kept.owning(owned.len());
         // An assignment, even an empty one, tells readiness the consumer
         // has joined its group.
         metrics::assigned(owned.len());
@@ -479,6 +491,47 @@ pub(super) fn restart_window(partition: i32, state: &mut Owned, dedupe: DedupeSe
     }
 }
 
+/// Gives a partition assigned at its fences the window this consumer kept
+/// from an earlier ownership, if it can be used (see `kept`), and places the
+/// consumer where the window has yet to see the log: only the offsets other
+/// owners applied since are re-read. `false` when there is none to use.
+fn resume_kept_window(
+    partition: i32,
+    state: &mut Owned,
+    kept: &mut KeptWindows,
+    dedupe: DedupeSettings,
+) -> bool {
+    let Some((origin, tracker)) = &state.known else {
+        return false;
+    };
+    if !dedupe.on() || state.fence_ahead {
+        return false;
+    }
+    let resume = tracker.resume_at();
+    let from = dedupe.rewind(*origin, resume);
+    let Some(window) = kept.take(partition, *origin, from, resume) else {
+        return false;
+    };
+    let seen = window.next().unwrap_or(resume);
+    state.reread = None;
+    state.window = Some(window);
+    info!(
+        partition,
+        from = seen,
+        resume,
+        "Dedupe window kept from an earlier ownership; re-reading only the offsets applied since."
+    );
+    if seen < resume {
+        state.seek_to(seen);
+        state.reread = Some(Reread {
+            began: Instant::now(),
+            from: seen,
+            resume,
+        });
+    }
+    true
+}
+
 /// Ends the partition's re-read if `reached`, the offset up to which the
 /// window has seen the log, is at its fences: the next record above them can
 /// be decided. Times it, and says so once.
@@ -604,9 +657,15 @@ mod tests {
     /// Partition 4 assigned with its fence at 999, counted from `origin`.
     fn assigned(origin: i64) -> Owning {
         let mut owned = HashMap::new();
+        assign(&mut owned, &mut KeptWindows::default(), origin, 999);
+        owned
+    }
+
+    /// Assigns partition 4 with its fence at `fence`, counted from `origin`.
+    fn assign(owned: &mut Owning, kept: &mut KeptWindows, origin: i64, fence: i64) {
         let fences = PartitionFences {
             origin: Some(origin),
-            fences: vec![Some(999)],
+            fences: vec![Some(fence)],
         };
         let assignment = Assignment {
             partition: 4,
@@ -614,15 +673,66 @@ mod tests {
             log: None,
         };
         let changes = vec![Rebalanced::Assigned(vec![assignment])];
-        apply_changes(
-            &mut owned,
-            &mut Committer::new("t"),
-            &mut 0,
-            1,
-            changes,
-            DEDUPE,
-        );
+        let committer = &mut Committer::new("t");
+        apply_changes(owned, committer, &mut 0, 1, changes, DEDUPE, kept);
+    }
+
+    fn revoke(owned: &mut Owning, kept: &mut KeptWindows) {
+        let changes = vec![Rebalanced::Revoked(vec![4])];
+        let committer = &mut Committer::new("t");
+        apply_changes(owned, committer, &mut 0, 1, changes, DEDUPE, kept);
+    }
+
+    /// Partition 4 owned and given up after its window saw the log up to 999.
+    fn given_up_at_its_fence(kept: &mut KeptWindows) -> Owning {
+        let mut owned = assigned(0);
+        {
+            let mut state = owned[&4].lock();
+            let window = state.window.as_mut().unwrap();
+            for offset in window.next().unwrap()..1_000 {
+                window.pass(offset);
+            }
+        }
+        kept.owning(1);
+        revoke(&mut owned, kept);
         owned
+    }
+
+    #[test]
+    fn a_partition_coming_back_rereads_only_what_was_applied_since_it_left() {
+        let kept = &mut KeptWindows::default();
+        let mut owned = given_up_at_its_fence(kept);
+        assert!(owned.is_empty());
+        // Another owner applied up to 1,099 meanwhile.
+        assign(&mut owned, kept, 0, 1_099);
+        let state = owned[&4].lock();
+        assert_eq!(state.window.as_ref().unwrap().next(), Some(1_000));
+        assert_eq!(state.pending_seek, Some(1_000));
+        assert!(
+            state
+                .reread
+                .is_some_and(|r| (r.from, r.resume) == (1_000, 1_100))
+        );
+    }
+
+    #[test]
+    fn a_kept_window_past_the_fences_or_of_another_origin_gives_way_to_a_fresh_one() {
+        // The fence went back below what the window saw (a batch dropped at
+        // the revocation was never applied): the whole window is re-read.
+        let kept = &mut KeptWindows::default();
+        let mut owned = given_up_at_its_fence(kept);
+        assign(&mut owned, kept, 0, 949);
+        let from = DEDUPE.rewind(0, 950);
+        let state = owned[&4].lock();
+        assert_eq!(state.window.as_ref().unwrap().next(), Some(from));
+        assert!(state.reread.is_some_and(|r| r.from == from));
+        drop(state);
+
+        let kept = &mut KeptWindows::default();
+        let mut owned = given_up_at_its_fence(kept);
+        assign(&mut owned, kept, 10, 1_099);
+        let from = DEDUPE.rewind(10, 1_100);
+        assert!(owned[&4].lock().reread.is_some_and(|r| r.from == from));
     }
 
     #[test]
