@@ -177,6 +177,11 @@ pub struct BenchConfig {
     #[arg(long, requires = "reread")]
     pub reread_only: bool,
 
+    /// Scale the group of `--reread` on the Valkey server of `--valkey-server` instead of
+    /// redis-server.
+    #[arg(long, requires_all = ["reread", "valkey_server"])]
+    pub reread_on_valkey: bool,
+
     /// Also write the table into this Markdown file, between its `bench:begin`/`bench:end` markers
     /// (and the `--reread` table between `reread:begin`/`reread:end`).
     #[arg(long)]
@@ -496,8 +501,12 @@ fn bench_blocking(config: BenchConfig, tally: Tally, dir: tempfile::TempDir) -> 
         workloads(&env, &config)?;
     }
     if !config.reread.is_empty() {
-        let measured = reread::measure(&env, &config)?;
-        let report = reread::render(&config, &env, &measured)?;
+        let store = match (&env.valkey, config.reread_on_valkey) {
+            (Some((url, _)), true) => env.on_store(url),
+            _ => env.on_store(&env.redis),
+        };
+        let measured = reread::measure(&store, &config)?;
+        let report = reread::render(&config, &store, &measured)?;
         println!("{report}");
         if let Some(path) = &config.out {
             reread::write_between_markers(path, &report)?;

@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustc_hash::FxHashMap;
 
-use super::services::{create_topic, peak_rss_kib, redis_conn, seal, store_version, terminate};
+use super::services::{create_topic, peak_rss_kib, redis_conn, seal, store_label, terminate};
 use super::{BenchConfig, Env, check_sample, latency, stages, tally_run};
 use crate::local::free_port;
 use crate::markdown::{command_line, header, thousands, today_utc};
@@ -600,12 +600,12 @@ pub(super) fn render(config: &BenchConfig, env: &Env, measured: &[Measured]) -> 
         "Date: {}. Measured: {version} (`tally --version`: release and git revision), \
          each process started as `tally run --dedupe ids --dedupe-window W{}` (window 0: without \
          `--dedupe`), on Apache Kafka {} \
-         (one KRaft node) and redis-server {} on the same machine; {partitions} partitions; \
+         (one KRaft node) and {} on the same machine; {partitions} partitions; \
          load {} events/s while the group scales.\n",
         today_utc(),
         extra_args(&env.tally_args),
         crate::local::kafka_version(),
-        store_version(&env.redis)?,
+        store_label(&env.redis)?,
         thousands(config.reread_rate),
     )?;
     writeln!(

@@ -95,6 +95,18 @@ pub(super) fn store_version(url: &str) -> Result<String> {
         .unwrap_or_else(|| "?".into()))
 }
 
+/// The server behind `url` with its version: `redis-server 7.0.15`, `valkey-server 9.1.2`.
+pub(super) fn store_label(url: &str) -> Result<String> {
+    let mut conn = redis_conn(url)?;
+    let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
+    let name = if server.contains("valkey_version:") {
+        "valkey-server"
+    } else {
+        "redis-server"
+    };
+    Ok(format!("{name} {}", store_version(url)?))
+}
+
 /// Peak resident set of a process in KiB (`VmHWM`), `"self"` for this one.
 pub fn peak_rss_kib(pid: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
