@@ -3,8 +3,8 @@
 //! a post brought to zero leaves its window's counts; both keys of a window
 //! expire at its end plus the retention; the leaders hold exactly the posts
 //! at the floor or above, through a rising floor and unlikes below it; and a
-//! window key of another type refuses the whole call before anything is
-//! written.
+//! window key of another type, or a count in it that is not a number,
+//! refuses the whole call and leaves nothing written.
 
 mod common;
 
@@ -211,6 +211,91 @@ fn a_window_key_of_another_type_refuses_the_call_and_writes_nothing() {
         );
         let value: String = conn.get(&stray).unwrap();
         assert_eq!(value, "not a set");
+    }
+}
+
+/// Every key under the prefix, with what it holds, as redis-cli would show it.
+fn snapshot(conn: &mut redis::Connection) -> BTreeMap<String, String> {
+    let mut all = BTreeMap::new();
+    let keys: Vec<String> = conn.keys("t:*").unwrap();
+    for key in keys {
+        let kind: String = redis::cmd("TYPE").arg(&key).query(conn).unwrap();
+        let value = match kind.as_str() {
+            "string" => format!("{:?}", conn.get::<_, Vec<u8>>(&key).unwrap()),
+            "hash" => {
+                let fields: BTreeMap<Vec<u8>, Vec<u8>> = conn.hgetall(&key).unwrap();
+                format!("{fields:?}")
+            }
+            "zset" => {
+                let members: Vec<(Vec<u8>, f64)> = conn.zrange_withscores(&key, 0, -1).unwrap();
+                format!("{members:?}")
+            }
+            other => panic!("{key} is a {other}"),
+        };
+        all.insert(key, value);
+    }
+    all
+}
+
+/// A post's field in a window's counts, or the window's floor, holding what
+/// is not a count (a value tally never writes) refuses the whole call before
+/// anything stays written: the counters already added and the window counts
+/// of the posts before it are taken back, and the fence stays, so a retry
+/// cannot add them twice.
+#[test]
+fn a_window_count_that_is_not_a_number_refuses_the_call_and_keeps_nothing() {
+    for (name, keys) in layouts() {
+        for stray in ["post", "floor"] {
+            let (_redis, rt, applier, mut conn) = server(&keys);
+            let hour = now_ms() / HOUR * HOUR;
+            let first = with_windows(
+                script(0, 4, -1, &[(7, 0, 1), (8, 0, 2), (9, 0, 1)]),
+                &[
+                    (0, hour, 7, 1),
+                    (1, hour, 7, 1),
+                    (1, hour, 8, 2),
+                    (1, hour, 9, 1),
+                ],
+            );
+            let reply = rt.block_on(applier.apply_once(&first)).unwrap().unwrap();
+            assert_eq!(reply.decision, Decision::Apply, "{name}");
+            let counts = format!("t:win:1h:{hour}");
+            let field = match stray {
+                "post" => 8u64.to_be_bytes().to_vec(),
+                _ => b"floor".to_vec(),
+            };
+            let _: () = conn.hset(&counts, &field, "many").unwrap();
+            let before = snapshot(&mut conn);
+            // Post 7 comes before post 8 in the call: its window write (and
+            // every counter) would stand if the call stopped at post 8.
+            let second = with_windows(
+                script(5, 9, -1, &[(7, 0, 1), (8, 0, 1), (9, 0, 1)]),
+                &[
+                    (0, hour, 7, 1),
+                    (1, hour, 7, 1),
+                    (1, hour, 8, 1),
+                    (1, hour, 9, 1),
+                ],
+            );
+            for attempt in 0..2 {
+                let refused = rt.block_on(applier.apply_once(&second)).unwrap();
+                match refused {
+                    Err(ApplyError::BadKey { key, error, .. }) => {
+                        assert!(key.starts_with(&counts), "{name}, {stray}: {key}");
+                        assert!(error.contains("integer"), "{name}, {stray}: {error}");
+                        if stray == "post" {
+                            assert!(key.contains("post 8"), "{name}: {key}");
+                        }
+                    }
+                    other => panic!("{name}, {stray}, attempt {attempt}: {other:?}"),
+                }
+                assert_eq!(
+                    snapshot(&mut conn),
+                    before,
+                    "{name}, {stray}: the refused call left writes behind"
+                );
+            }
+        }
     }
 }
 

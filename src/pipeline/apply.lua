@@ -19,8 +19,10 @@
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error}: INCRBY refused KEYS[i] (a value that is not
 --     an integer, another type, an overflow), or KEYS[i] is a window key of
---     another type; the deltas already added are taken back, so no count
---     changes and the fence stays
+--     another type or its floor is not an integer; {4, fence, i, error,
+--     member} when HINCRBY refused the post member of the window counts
+--     KEYS[i]; the deltas already added are taken back, so no count changes
+--     and the fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
 -- may call; nothing written.
 -- Codes 0-3 are the decision table of src/domain/fence.rs; the tests hold this
@@ -77,7 +79,7 @@ end
 if not whole or counted ~= counters or not windows_shaped(argv, at, w) then
   return redis.error_reply('ERR apply.lua: the runs of ARGV[5..] cover ' .. counted .. ' keys, KEYS names ' .. counters .. ' counters, or the window section is not whole')
 end
-local refusal = windows_refusal(keys, w, fence)
+local refusal, floors = windows_refusal(keys, w, fence)
 if refusal then
   return refusal
 end
@@ -110,6 +112,11 @@ for r = 5, at - 1, 2 do
     k = k + 1
   end
 end
-apply_windows(keys, argv, at, w)
+local refused = apply_windows(keys, argv, at, w, floors)
+if refused then
+  -- A window's count refused its addition; the windows took theirs back.
+  undo(counters + 1)
+  return {4, fence, refused[1], refused[2], refused[3]}
+end
 redis.call('SET', KEYS[1], ARGV[2])
 return {0, fence}

@@ -427,6 +427,16 @@ impl Applier {
                 let leaders = (index - counters) % 2 == 1;
                 let mut key = String::new();
                 write_set_key(&mut key, self.keys(), prepared.group, set, leaders);
+                // A post's count in it: the member is the post, 8 bytes big-endian.
+                if let Some(member) = reply
+                    .get(4)
+                    .and_then(|v| redis::from_redis_value_ref::<Vec<u8>>(v).ok())
+                {
+                    let post = <[u8; 8]>::try_from(member.as_slice())
+                        .map(u64::from_be_bytes)
+                        .map_err(|_| unexpected())?;
+                    key.push_str(&format!(" (the field of post {post})"));
+                }
                 return Ok(Err(ApplyError::BadKey {
                     key,
                     error,

@@ -21,7 +21,9 @@
 --   3 gap: fence + 1 < start; nothing written
 --   4 refused: {4, fence, i, error, field}: HINCRBY refused field of KEYS[i]
 --     (a value that is not an integer, a key of another type, an overflow),
---     or {4, fence, i, error} for a window key KEYS[i] of another type;
+--     or {4, fence, i, error} for a window key KEYS[i] of another type or
+--     with a floor that is not an integer, or {4, fence, i, error, member}
+--     when HINCRBY refused the post member of the window counts KEYS[i];
 --     the deltas already added are taken back, so no count changes and the
 --     fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
@@ -72,7 +74,7 @@ end
 if covered ~= hashes or a > #argv + 1 or not windows_shaped(argv, a, w) then
   return redis.error_reply('ERR apply_packed.lua: ARGV[5..] does not give whole (field, delta) pairs for each of the ' .. (hashes - 1) .. ' hashes of KEYS, or the window section is not whole')
 end
-local refusal = windows_refusal(keys, w, fence)
+local refusal, floors = windows_refusal(keys, w, fence)
 if refusal then
   return refusal
 end
@@ -111,7 +113,12 @@ for k = 2, hashes do
   end
   at = at + 1 + 2 * m
 end
-apply_windows(keys, argv, at, w)
+local refused = apply_windows(keys, argv, at, w, floors)
+if refused then
+  -- A window's count refused its addition; the windows took theirs back.
+  undo(hashes + 1, 1)
+  return {4, fence, refused[1], refused[2], refused[3]}
+end
 local fill = 0
 if hashes > 1 then
   fill = redis.call('HLEN', keys[2 + last % (hashes - 1)])

@@ -19,8 +19,10 @@
 -- set (each write to it a walk of its skiplist) stays small while every
 -- post's count stays in the hash.
 --
--- Every key is checked before the script's first write: one of another type
--- is refused like a bad counter, so that no write can fail half-way. A
+-- Every key is checked before the script's first write: one of another type,
+-- or a floor that is not an integer, is refused like a bad counter. A post's
+-- count that is not an integer is found by its HINCRBY, which the script
+-- takes back with everything else it added, so no call is kept half-way. A
 -- count brought to 0 is removed (absent reads as 0), and PEXPIREAT with a
 -- time already past deletes both keys: a write to an expired window keeps
 -- nothing.
@@ -40,10 +42,11 @@ local function windows_shaped(argv, at, w)
 end
 
 -- NOPERM for a window command the caller lacks, {4, fence, i, error} for a
--- key KEYS[i] of another type, or nil.
+-- key KEYS[i] of another type or a floor that is not an integer, or nil and
+-- each window's floor by the index of its counts in KEYS.
 local function windows_refusal(keys, w, fence)
   if w == 0 then
-    return nil
+    return nil, {}
   end
   local first = #keys - 2 * w + 1
   local counts, leaders = keys[first], keys[first + 1]
@@ -61,19 +64,69 @@ local function windows_refusal(keys, w, fence)
       return {4, fence, k, 'WRONGTYPE the window ' .. (want == 'hash' and 'counts' or 'leaders') .. ' key holds a ' .. kind}
     end
   end
-  return nil
+  local floors = {}
+  for k = first, #keys, 2 do
+    local counts = keys[k]
+    local raw = redis.call('HGET', counts, 'floor')
+    local floor = tonumber(raw or '1')
+    if not floor or floor % 1 ~= 0 then
+      return {4, fence, k, "ERR the window's floor field holds '" .. raw .. "', not an integer"}
+    end
+    floors[k] = floor
+  end
+  return nil, floors
 end
 
 -- Adds the window deltas, keeps each window's leaders and sets the expiry.
-local function apply_windows(keys, argv, at, w)
-  for k = #keys - 2 * w + 1, #keys, 2 do
+-- Every count is added first, each under pcall: a field that holds no
+-- integer (or would overflow) takes back the counts added before it and
+-- returns {i, error, member} for its window's counts KEYS[i], so the caller
+-- can take back its own writes and refuse the call whole. Only then are the
+-- leaders kept, which cannot fail on keys of the right type. Returns nil
+-- when every write was made.
+local function apply_windows(keys, argv, at, w, floors)
+  local pcall, kind = redis.pcall, type
+  local first = #keys - 2 * w + 1
+  local counted = {}
+  local a = at
+  for k = first, #keys, 2 do
+    local counts, m = keys[k], tonumber(argv[a + 1])
+    a = a + 2
+    for _ = 1, m do
+      local member, delta = argv[a], argv[a + 1]
+      local count = pcall('HINCRBY', counts, member, delta)
+      if kind(count) == 'table' then
+        -- Back over every count added so far, in every window before this one.
+        local b = at
+        for j = first, k, 2 do
+          local n = tonumber(argv[b + 1])
+          b = b + 2
+          for _ = 1, n do
+            if b == a then
+              break
+            end
+            if redis.call('HINCRBY', keys[j], argv[b], -tonumber(argv[b + 1])) == 0 then
+              redis.call('HDEL', keys[j], argv[b])
+            end
+            b = b + 2
+          end
+        end
+        return {k, count.err, member}
+      end
+      counted[#counted + 1] = count
+      a = a + 2
+    end
+  end
+  local c = 0
+  for k = first, #keys, 2 do
     local counts, leaders = keys[k], keys[k + 1]
     local expire_at, m = argv[at], tonumber(argv[at + 1])
-    local floor = tonumber(redis.call('HGET', counts, 'floor') or '1')
+    local floor = floors[k]
     at = at + 2
     for _ = 1, m do
       local member, delta = argv[at], argv[at + 1]
-      local count = redis.call('HINCRBY', counts, member, delta)
+      c = c + 1
+      local count = counted[c]
       if count == 0 then
         redis.call('HDEL', counts, member)
       end
@@ -95,4 +148,5 @@ local function apply_windows(keys, argv, at, w)
     redis.call('PEXPIREAT', counts, expire_at)
     redis.call('PEXPIREAT', leaders, expire_at)
   end
+  return nil
 end
