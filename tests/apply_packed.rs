@@ -1,5 +1,6 @@
 //! `apply_packed.lua` against a real redis-server: the fence table, the
-//! fields it writes, and all-or-nothing when a field or a key refuses.
+//! fields it writes, all-or-nothing when a field or a key refuses, and a
+//! fence key that holds no offset.
 
 mod common;
 
@@ -97,6 +98,26 @@ fn apply_duplicate_straddle_and_gap_on_fields() {
 
 /// A field HINCRBY refuses, or a hash key of another type, anywhere in the batch, leaves every
 /// field, every key and the fence as they were.
+/// A fence overwritten with what is not an offset refuses the call with the
+/// key named, and no field is written.
+#[test]
+fn a_fence_that_holds_no_offset_refuses_the_call() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), packed("f", 2));
+    let mut conn = redis.conn();
+    let _: () = conn.set("f:fence:g:likes:0", "nine").unwrap();
+    let error = rt
+        .block_on(applier.apply_once(&script(0, 9, -1, &[(1, 0, 5), (2, 0, 1)])))
+        .expect_err("a call past a broken fence");
+    let text = error.to_string();
+    assert!(
+        text.contains("f:fence:g:likes:0 holds \"nine\", which is not an offset"),
+        "{text}"
+    );
+    assert!(fields(&mut conn, "f").is_empty(), "the refused call wrote");
+}
+
 #[test]
 fn a_refused_field_or_key_writes_nothing() {
     let redis = RedisServer::start();

@@ -1,5 +1,6 @@
 //! `apply.lua` against a real redis-server: every case of the fence table,
-//! the writes it makes (or does not), and recovery from a flushed script cache.
+//! the writes it makes (or does not), a fence key that holds no offset, and
+//! recovery from a flushed script cache.
 
 mod common;
 
@@ -12,6 +13,31 @@ use tally::pipeline::apply::Prepared;
 
 fn reply(decision: Decision, fence: i64) -> Reply {
     Reply { decision, fence }
+}
+
+/// A fence overwritten with what is not an offset refuses every call with the
+/// key named, and nothing is written: no guess of the lost fence is safe.
+#[test]
+fn a_fence_that_holds_no_offset_refuses_the_call() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let applier = applier(&rt, &redis.url(), KeyLayout::new("t"));
+    let mut conn = redis.conn();
+    for stray in ["12o45", "1.5", ""] {
+        let _: () = conn.set("t:fence:g:likes:0", stray).unwrap();
+        let error = rt
+            .block_on(applier.apply_once(&script(0, 9, -1, &[(1, 0, 5)])))
+            .expect_err("a call past a broken fence");
+        let text = error.to_string();
+        assert!(
+            text.contains(&format!(
+                "t:fence:g:likes:0 holds \"{stray}\", which is not an offset"
+            )) && text.contains("tally rebuild"),
+            "{text}"
+        );
+        let counter: Option<i64> = conn.get("t:likes:1:0").unwrap();
+        assert_eq!(counter, None, "{stray}: the refused call wrote");
+    }
 }
 
 #[test]

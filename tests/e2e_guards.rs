@@ -10,6 +10,8 @@
 //!   `--accept-lost-counts` counted from those offsets;
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
 //!   `tally reset-fences --yes` counts the new log on top of the stored counts;
+//! * a fence or origin key holding what is not an offset: refused with the key and the fix,
+//!   and counting goes on exactly once it is restored;
 //! * a group whose committed offsets trail fences that are at the log's end (the last batch
 //!   applied just before its owner died): the next owner commits the fences within seconds,
 //!   though nothing new arrives, so the lag it shows is the lag there is.
@@ -26,6 +28,7 @@ use common::*;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use redis::Commands;
 
 const PARTITIONS: i32 = 4;
 
@@ -366,6 +369,56 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
 
     count_all(&moved, &mut conn, &args, second.events.len());
     moved.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
+
+/// A fence or an origin overwritten with what is not an offset (a foreign writer, a typo in
+/// redis-cli) is refused at start with the key, its value and the fix, and nothing is written;
+/// the key restored, counting goes on exactly.
+#[test]
+fn a_fence_or_origin_that_holds_no_offset_is_refused_with_its_key() {
+    let run = Scenario::new("e2e_guards_stray", "strayfence", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let args = run.tally_args(&redis.url());
+    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    count_all(&run, &mut conn, &args, first.events.len());
+    let second = Workload::generate(run.seed ^ 0x57a7, 1_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let fence = fence_key(&run.prefix, &run.group, &run.topic, 1);
+    let origin = format!("{}:origin:{}:{}:2", run.prefix, run.group, run.topic);
+    for key in [fence, origin] {
+        let kept: String = conn.get(&key).unwrap();
+        let _: () = conn.set(&key, "12o45").unwrap();
+        let before = snapshot(&mut conn, &run.prefix);
+        let line = refusal_line(&run_refused(&args));
+        assert!(
+            line.contains(&format!("{key} holds \"12o45\", which is not an offset"))
+                && line.contains("tally rebuild"),
+            "{line}"
+        );
+        assert_eq!(
+            snapshot(&mut conn, &run.prefix),
+            before,
+            "{key}: the refused start wrote"
+        );
+        let _: () = conn.set(&key, kept).unwrap();
+    }
+    count_all(
+        &run,
+        &mut conn,
+        &args,
+        first.events.len() + second.events.len(),
+    );
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }
 
 /// A dead-letter copy that can never succeed (here: larger than tally's producer may send) is

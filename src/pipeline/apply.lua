@@ -24,13 +24,18 @@
 --     KEYS[i]; the deltas already added are taken back, so no count changes
 --     and the fence stays
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
--- may call; nothing written.
+-- may call, or (ERR) when the fence key holds what is not an offset; nothing
+-- written.
 -- Codes 0-3 are the decision table of src/domain/fence.rs; the tests hold this
 -- script to it. A script that stopped on an error would keep the INCRBYs made
 -- before it, and every retry would add them again: hence pcall and the undo.
 
 local raw = redis.call('GET', KEYS[1])
 local fence = tonumber(raw or ARGV[3])
+if not fence or fence % 1 ~= 0 then
+  -- Not a value this script writes: what the fence said is lost.
+  return redis.error_reply('ERR ' .. KEYS[1] .. ' holds "' .. tostring(raw) .. '", which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`')
+end
 local start = tonumber(ARGV[1])
 local last = tonumber(ARGV[2])
 

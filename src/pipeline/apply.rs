@@ -596,17 +596,19 @@ impl FenceReader {
         store
             .call(|store| async move {
                 let mut conn = store.clone();
-                let origin: Option<i64> = redis::cmd("GET")
-                    .arg(origin_key)
+                let raw: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(&origin_key)
                     .query_async(&mut conn)
                     .await?;
+                let origin = stored_offset(&origin_key, raw)?;
                 let reads = fence_keys.into_iter().map(|key| {
                     let mut conn = store.clone();
                     async move {
-                        redis::cmd("GET")
-                            .arg(key)
-                            .query_async::<Option<i64>>(&mut conn)
-                            .await
+                        let raw = redis::cmd("GET")
+                            .arg(&key)
+                            .query_async::<Option<Vec<u8>>>(&mut conn)
+                            .await?;
+                        stored_offset(&key, raw)
                     }
                 });
                 let fences = futures::future::try_join_all(reads).await?;
@@ -623,16 +625,47 @@ impl FenceReader {
         let mut conn = connect_blocking(&self.target, Duration::from_secs(2))?;
         let mut all = Vec::with_capacity(partitions.len());
         for &p in partitions {
-            let origin: Option<i64> = redis::cmd("GET")
-                .arg(self.origin_key(p))
-                .query(conn.as_mut())?;
+            let origin_key = self.origin_key(p);
+            let origin = stored_offset(
+                &origin_key,
+                redis::cmd("GET").arg(&origin_key).query(conn.as_mut())?,
+            )?;
             let mut fences = Vec::with_capacity(self.keys.groups().count() as usize);
             for key in self.fence_keys(p) {
-                fences.push(redis::cmd("GET").arg(key).query(conn.as_mut())?);
+                let raw = redis::cmd("GET").arg(&key).query(conn.as_mut())?;
+                fences.push(stored_offset(&key, raw)?);
             }
             all.push(PartitionFences { origin, fences });
         }
         Ok(all)
+    }
+}
+
+/// What [`stored_offset`] calls a fence or origin that holds no offset.
+pub const NOT_AN_OFFSET: &str = "a fence or origin key holds no offset";
+
+/// The offset a fence or origin key holds, `None` when absent. A value that
+/// is not an integer is a write tally never makes (a foreign writer, a typo
+/// in redis-cli, a restore of something else): what the fence said is lost,
+/// and no guess of it is safe, so it is an error no retry fixes, whose
+/// detail names the key, its value and the fix.
+fn stored_offset(key: &str, raw: Option<Vec<u8>>) -> Result<Option<i64>, RedisError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    match std::str::from_utf8(&raw)
+        .ok()
+        .and_then(|text| text.parse::<i64>().ok())
+    {
+        Some(offset) => Ok(Some(offset)),
+        None => Err(RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            NOT_AN_OFFSET,
+            format!(
+                "{key} holds {:?}, which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`",
+                String::from_utf8_lossy(&raw)
+            ),
+        ))),
     }
 }
 

@@ -25,7 +25,7 @@ use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
 use crate::infra::config::{DEFAULT_BUCKETS, KafkaSettings, RunSettings};
 use crate::infra::store::ConnectError;
-use crate::pipeline::apply::Applier;
+use crate::pipeline::apply::{Applier, NOT_AN_OFFSET};
 use crate::pipeline::consume::{self, LikeConsumer};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::guard::{self, GuardError};
@@ -43,10 +43,16 @@ pub(super) async fn check_logs(
 ) -> Result<(), RunError> {
     for partition in 0..partitions as i32 {
         let fences = applier.read_fences(partition).await.map_err(|source| {
-            RunError::Redis(ConnectError {
-                url: redis_shown.to_string(),
-                source,
-            })
+            if source.to_string().starts_with(NOT_AN_OFFSET) {
+                RunError::Guard(GuardError::NotAnOffset(
+                    source.detail().unwrap_or_default().to_string(),
+                ))
+            } else {
+                RunError::Redis(ConnectError {
+                    url: redis_shown.to_string(),
+                    source,
+                })
+            }
         })?;
         if let Some((_, tracker)) = fences.tracker() {
             let resume = tracker.resume_at();
