@@ -1,7 +1,8 @@
 //! The routing registry against a real redis-server, where a failover would bite: its clock
 //! never goes back below what it answered before, publications take effect after it, and a
 //! reader sums a version the registry lists even when the post's route hash lost it. And the
-//! two steps of an unfreeze: what they keep, move and refuse.
+//! two steps of an unfreeze: what they keep, move and refuse. A field tally did not write is
+//! counted, not silently skipped.
 
 mod common;
 mod library;
@@ -89,6 +90,36 @@ fn readers_take_versions_from_the_registry_too() {
     assert_eq!(rt.block_on(reader.count(5)).unwrap().likes, 43);
     let (_, summed) = rt.block_on(reader.summed_keys(5)).unwrap();
     assert!(summed.contains(&keys.key_of(hot)), "{summed:?}");
+}
+
+/// A registry field tally did not write (a post's versions, or the final time) is counted in
+/// the table it was read into, beside every readable entry: the metric and the alert on it
+/// report a post whose hot buckets readers would no longer sum.
+#[test]
+fn an_unreadable_registry_field_is_counted_and_the_rest_is_read() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let prefix = unique("stray");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let routes = routes(&rt, &redis.url(), &prefix);
+    let registry = format!("{prefix}:routes");
+    let hset = |conn: &mut redis::Connection, field: &str, value: &str| {
+        let _: () = redis::cmd("HSET")
+            .arg(&registry)
+            .arg(field)
+            .arg(value)
+            .query(conn)
+            .unwrap();
+    };
+    hset(&mut conn, "5", "0:4:0;1:32:1000");
+    let table = rt.block_on(routes.fetch()).unwrap();
+    assert_eq!(table.unreadable(), 0);
+    hset(&mut conn, "6", "thirty-two");
+    hset(&mut conn, "final", "soon");
+    let table = rt.block_on(routes.fetch()).unwrap();
+    assert_eq!(table.unreadable(), 2);
+    let hot = table.counter_of(0, 0, 5, 7, 2_000);
+    assert_eq!(hot.version, 1, "the readable entry still routes");
 }
 
 /// 2099-06-01.

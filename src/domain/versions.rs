@@ -331,6 +331,8 @@ pub struct RouteTable {
     unfreezes: Unfreezes,
     /// An unfreeze under way.
     unfreezing: Option<Unfreezing>,
+    /// Fields of the registry this read could not parse.
+    unreadable: usize,
 }
 
 impl RouteTable {
@@ -352,7 +354,24 @@ impl RouteTable {
             final_trusted_until: Instant::now() + FINAL_TRUST,
             unfreezes: Box::default(),
             unfreezing: None,
+            unreadable: 0,
         }
+    }
+
+    /// The same table, read from a registry with `fields` fields it could
+    /// not parse (their posts route by the defaults).
+    pub fn with_unreadable(self, fields: usize) -> Self {
+        Self {
+            unreadable: fields,
+            ..self
+        }
+    }
+
+    /// Fields of the registry this table was read from that it could not
+    /// parse: each a post whose versions are unknown, so its likes route,
+    /// and its readers sum, by the defaults alone.
+    pub fn unreadable(&self) -> usize {
+        self.unreadable
     }
 
     /// The same table, final for events stamped up to `final_ms`.

@@ -143,6 +143,8 @@ pub const FUTURE_EVENTS: &str = "tally_future_events_total";
 pub const ROUTING_FINAL_AHEAD: &str = "tally_routing_final_ahead_seconds";
 /// Unfreezes (`tally unfreeze-routing`) in this consumer's view of the registry.
 pub const ROUTING_UNFREEZES: &str = "tally_routing_unfreezes";
+/// Fields of the routing registry the last read could not parse.
+pub const ROUTING_UNREADABLE: &str = "tally_routing_unreadable_fields";
 
 /// Offsets a rebuild has recounted, by `partition`: from the partition's
 /// origin to the new generation's lowest fence.
@@ -387,6 +389,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Unfreezes recorded in this consumer's view of the routing registry: times tally unfreeze-routing brought routing made final far ahead back to the clock.",
     ),
     (
+        ROUTING_UNREADABLE,
+        Kind::Gauge,
+        "Fields of the routing registry the last read could not parse (a value tally did not write): each post among them routes, and is read, by the defaults alone, so its count reads without its hot buckets.",
+    ),
+    (
         REBUILD_RECOUNTED,
         Kind::Gauge,
         "tally rebuild: offsets recounted into the new generation, by partition (from its origin to the new generation's lowest fence).",
@@ -472,6 +479,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(ROUTING_UNFREEZES).set(0.0);
+    gauge!(ROUTING_UNREADABLE).set(0.0);
     gauge!(READY).set(0.0);
     gauge!(ASSIGNED_PARTITIONS).set(0.0);
 }
@@ -607,6 +615,11 @@ pub fn rebuild_offsets(partition: i32, recounted: i64, remaining: i64) {
 /// Records how far ahead of the registry clock routing is final.
 pub fn routing_final_ahead(ms: i64) {
     gauge!(ROUTING_FINAL_AHEAD).set(ms.max(0) as f64 / 1000.0);
+}
+
+/// Records how many fields of the registry the last read could not parse.
+pub fn routing_unreadable(fields: usize) {
+    gauge!(ROUTING_UNREADABLE).set(fields as f64);
 }
 
 /// Records how many unfreezes the registry holds.

@@ -221,6 +221,7 @@ impl Routes {
         let mut posts = Vec::with_capacity(rest.len() / 2);
         let mut defaults = None;
         let mut final_ms = 0;
+        let mut unreadable = 0;
         let (mut unfrozen, mut unfreezing) = (None, None);
         for pair in rest.chunks_exact(2) {
             if pair[0] == DEFAULT_FIELD {
@@ -228,7 +229,11 @@ impl Routes {
                 continue;
             }
             if pair[0] == FINAL_FIELD {
-                final_ms = pair[1].parse().unwrap_or(0);
+                final_ms = pair[1].parse().unwrap_or_else(|_| {
+                    warn!(field = %pair[0], value = %pair[1], "Unreadable routing registry field ignored.");
+                    unreadable += 1;
+                    0
+                });
                 continue;
             }
             if pair[0] == UNFROZEN_FIELD {
@@ -244,9 +249,13 @@ impl Routes {
             }
             match (pair[0].parse::<u64>(), parse_entry(&pair[1])) {
                 (Ok(post), Some(versions)) => posts.push((post, versions)),
-                _ => warn!(field = %pair[0], "Unreadable routing registry entry ignored."),
+                _ => {
+                    warn!(field = %pair[0], value = %pair[1], "Unreadable routing registry entry ignored: the post's likes route, and its readers sum, by the defaults alone.");
+                    unreadable += 1;
+                }
             }
         }
+        crate::infra::metrics::routing_unreadable(unreadable);
         let defaults = defaults.unwrap_or_else(|| Defaults::fixed(self.epoch0));
         let unfrozen = parse_unfrozen(&registry, unfrozen)?;
         let unfreezing = parse_unfreezing(&registry, unfreezing)?;
@@ -254,7 +263,8 @@ impl Routes {
         let table = RouteTable::new(defaults, now, posts)
             .with_final(final_ms)
             .sent_at(sent)
-            .with_unfreezes(unfrozen, unfreezing);
+            .with_unfreezes(unfrozen, unfreezing)
+            .with_unreadable(unreadable);
         crate::infra::metrics::routing_final_ahead(table.frozen_until_ms() - now);
         Ok(table)
     }
