@@ -10,8 +10,8 @@
 //!   `--accept-lost-counts` counted from those offsets;
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
 //!   `tally reset-fences --yes` counts the new log on top of the stored counts;
-//! * a fence or origin key holding what is not an offset: refused with the key and the fix,
-//!   and counting goes on exactly once it is restored;
+//! * a fence, an origin or the generation pointer holding what is not a number: refused with
+//!   the key and the fix, and counting goes on exactly once it is restored;
 //! * a group whose committed offsets trail fences that are at the log's end (the last batch
 //!   applied just before its owner died): the next owner commits the fences within seconds,
 //!   though nothing new arrives, so the lag it shows is the lag there is.
@@ -372,10 +372,11 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
 }
 
 /// A fence or an origin overwritten with what is not an offset (a foreign writer, a typo in
-/// redis-cli) is refused at start with the key, its value and the fix, and nothing is written;
-/// the key restored, counting goes on exactly.
+/// redis-cli), or a generation pointer that names no generation, is refused at start with the
+/// key, its value and the fix, and nothing is written; the key restored, counting goes on
+/// exactly.
 #[test]
-fn a_fence_or_origin_that_holds_no_offset_is_refused_with_its_key() {
+fn a_fence_origin_or_pointer_that_holds_no_number_is_refused_with_its_key() {
     let run = Scenario::new("e2e_guards_stray", "strayfence", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
@@ -412,6 +413,25 @@ fn a_fence_or_origin_that_holds_no_offset_is_refused_with_its_key() {
         );
         let _: () = conn.set(&key, kept).unwrap();
     }
+    // The generation pointer readers and writers follow: without a rebuild it is absent.
+    let pointer = format!("{}:generation", run.prefix);
+    let absent: bool = !conn.exists::<_, bool>(&pointer).unwrap();
+    assert!(absent, "no rebuild ran, so no pointer");
+    let _: () = conn.hset(&pointer, "current", "two").unwrap();
+    let before = snapshot(&mut conn, &run.prefix);
+    let line = refusal_line(&run_refused(&args));
+    assert!(
+        line.contains(&format!(
+            "{pointer} field current holds \"two\", which is not a number"
+        )),
+        "{line}"
+    );
+    assert_eq!(
+        snapshot(&mut conn, &run.prefix),
+        before,
+        "the pointer: the refused start wrote"
+    );
+    let _: () = conn.del(&pointer).unwrap();
     count_all(
         &run,
         &mut conn,

@@ -104,6 +104,36 @@ pub struct Pointer {
 }
 
 impl Pointer {
+    /// The pointer from its fields in `key`; a field that holds no number is
+    /// a value tally never writes, refused with the key, the field and the
+    /// fix, since readers and writers would otherwise take generation 0.
+    fn parse(key: &str, (current, at, highest): PointerFields) -> Result<Self, RedisError> {
+        fn number<T: std::str::FromStr>(
+            key: &str,
+            field: &str,
+            raw: Option<Vec<u8>>,
+        ) -> Result<Option<T>, RedisError> {
+            let Some(raw) = raw else {
+                return Ok(None);
+            };
+            std::str::from_utf8(&raw)
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    crate::infra::store::stray_value(format!(
+                        "{key} field {field} holds {:?}, which is not a number and not a value tally writes: set it back to the generation tally writes (generation k keeps its keys under <prefix>:g<k>:, generation 0 directly under the prefix; a rebuild's log names each switch), then start again",
+                        String::from_utf8_lossy(&raw)
+                    ))
+                })
+        }
+        Ok(Self::from_fields(
+            number(key, "current", current)?,
+            number(key, "switched_at_ms", at)?,
+            number(key, "highest", highest)?,
+        ))
+    }
+
     fn from_fields(current: Option<u64>, at: Option<i64>, highest: Option<u64>) -> Self {
         let current = current.unwrap_or(0);
         Pointer {
@@ -175,32 +205,39 @@ impl State {
 /// Reads the pointer.
 pub async fn read_pointer(store: &Shared, base: &str) -> Result<Pointer, RedisError> {
     let key = pointer_key(base);
-    let (current, at, highest): (Option<u64>, Option<i64>, Option<u64>) = store
-        .call(|mut s| async move {
-            redis::cmd("HMGET")
-                .arg(&key)
-                .arg("current")
-                .arg("switched_at_ms")
-                .arg("highest")
-                .query_async(&mut s)
-                .await
+    let fields: PointerFields = store
+        .call(|mut s| {
+            let key = key.clone();
+            async move {
+                redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("current")
+                    .arg("switched_at_ms")
+                    .arg("highest")
+                    .query_async(&mut s)
+                    .await
+            }
         })
         .await?;
-    Ok(Pointer::from_fields(current, at, highest))
+    Pointer::parse(&key, fields)
 }
+
+/// The pointer's fields as Redis holds them: `current`, `switched_at_ms`, `highest`.
+type PointerFields = (Option<Vec<u8>>, Option<Vec<u8>>, Option<Vec<u8>>);
 
 /// Reads the pointer synchronously (for the blocking commands).
 pub fn read_pointer_blocking(
     conn: &mut dyn redis::ConnectionLike,
     base: &str,
 ) -> Result<Pointer, RedisError> {
-    let (current, at, highest): (Option<u64>, Option<i64>, Option<u64>) = redis::cmd("HMGET")
-        .arg(pointer_key(base))
+    let key = pointer_key(base);
+    let fields: PointerFields = redis::cmd("HMGET")
+        .arg(&key)
         .arg("current")
         .arg("switched_at_ms")
         .arg("highest")
         .query(conn)?;
-    Ok(Pointer::from_fields(current, at, highest))
+    Pointer::parse(&key, fields)
 }
 
 /// Records, for writers and readers started later, that generation `k` is

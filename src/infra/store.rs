@@ -103,6 +103,28 @@ impl AsyncConnectionLike for Store {
     }
 }
 
+/// What every [`stray_value`] error says first.
+const STRAY_VALUE: &str = "a key of tally's holds a value tally does not write";
+
+/// An error no retry fixes: one of tally's keys holds a value tally never
+/// writes there (a foreign writer, a typo in redis-cli, a restore of
+/// something else), which tally will not guess its way past. `detail` names
+/// the key, its value and the fix.
+pub fn stray_value(detail: String) -> RedisError {
+    RedisError::from((redis::ErrorKind::UnexpectedReturnType, STRAY_VALUE, detail))
+}
+
+/// The detail of a [`stray_value`] error; `None` for any other error.
+pub fn stray_detail(error: &RedisError) -> Option<&str> {
+    if error.kind() == redis::ErrorKind::UnexpectedReturnType
+        && error.to_string().starts_with(STRAY_VALUE)
+    {
+        error.detail()
+    } else {
+        None
+    }
+}
+
 /// How long a start waits for a server that is loading its dataset.
 pub const LOADING_WAIT: Duration = Duration::from_secs(60);
 

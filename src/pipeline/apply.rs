@@ -641,9 +641,6 @@ impl FenceReader {
     }
 }
 
-/// What [`stored_offset`] calls a fence or origin that holds no offset.
-pub const NOT_AN_OFFSET: &str = "a fence or origin key holds no offset";
-
 /// The offset a fence or origin key holds, `None` when absent. A value that
 /// is not an integer is a write tally never makes (a foreign writer, a typo
 /// in redis-cli, a restore of something else): what the fence said is lost,
@@ -658,13 +655,9 @@ fn stored_offset(key: &str, raw: Option<Vec<u8>>) -> Result<Option<i64>, RedisEr
         .and_then(|text| text.parse::<i64>().ok())
     {
         Some(offset) => Ok(Some(offset)),
-        None => Err(RedisError::from((
-            redis::ErrorKind::UnexpectedReturnType,
-            NOT_AN_OFFSET,
-            format!(
-                "{key} holds {:?}, which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`",
-                String::from_utf8_lossy(&raw)
-            ),
+        None => Err(crate::infra::store::stray_value(format!(
+            "{key} holds {:?}, which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`",
+            String::from_utf8_lossy(&raw)
         ))),
     }
 }

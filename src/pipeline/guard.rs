@@ -49,9 +49,10 @@ const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
 /// A refusal: the deployment would double, drop or stall counts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GuardError {
-    /// A fence or origin key holds something other than an offset.
+    /// One of tally's keys holds a value tally does not write there (the
+    /// detail names the key, the value and the fix).
     #[error("{0}")]
-    NotAnOffset(String),
+    StrayValue(String),
     /// Redis may evict tally's keys.
     #[error(
         "Redis at {node} has maxmemory-policy {policy}: it may evict a fence (the replay then counts events twice) or a counter (its likes are lost); set maxmemory-policy noeviction (or a volatile-* policy) in its configuration and with CONFIG SET, then start again"

@@ -69,7 +69,7 @@ use crate::domain::layout::{self, LayoutError};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, RunSettings};
 use crate::infra::security::KafkaAcl;
-use crate::infra::store::ConnectError;
+use crate::infra::store::{ConnectError, stray_detail};
 use crate::infra::{metrics, tasks};
 use crate::pipeline::aggregate::Limits;
 use crate::pipeline::apply::{Applier, ApplyError};
@@ -245,9 +245,12 @@ pub async fn run_with(
     let target = opened.target().clone();
     let servers = tokio::task::block_in_place(|| guard::check_server(&target))?;
     tokio::task::block_in_place(|| guard::check_eviction(&target))?;
-    let unreadable = |source| ConnectError {
-        url: opened.url.shown().to_string(),
-        source,
+    let unreadable = |source: redis::RedisError| match stray_detail(&source) {
+        Some(detail) => RunError::Guard(GuardError::StrayValue(detail.to_string())),
+        None => RunError::Redis(ConnectError {
+            url: opened.url.shown().to_string(),
+            source,
+        }),
     };
     let following = follow_pointer(&opened, &settings, &mode, &shutdown)
         .await

@@ -24,8 +24,8 @@ use crate::domain::packing::{LONGEST_FIELD, Packing, Wanted};
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
 use crate::infra::config::{DEFAULT_BUCKETS, KafkaSettings, RunSettings};
-use crate::infra::store::ConnectError;
-use crate::pipeline::apply::{Applier, NOT_AN_OFFSET};
+use crate::infra::store::{ConnectError, stray_detail};
+use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::{self, LikeConsumer};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::guard::{self, GuardError};
@@ -42,18 +42,17 @@ pub(super) async fn check_logs(
     redis_shown: &str,
 ) -> Result<(), RunError> {
     for partition in 0..partitions as i32 {
-        let fences = applier.read_fences(partition).await.map_err(|source| {
-            if source.to_string().starts_with(NOT_AN_OFFSET) {
-                RunError::Guard(GuardError::NotAnOffset(
-                    source.detail().unwrap_or_default().to_string(),
-                ))
-            } else {
-                RunError::Redis(ConnectError {
-                    url: redis_shown.to_string(),
-                    source,
-                })
-            }
-        })?;
+        let fences =
+            applier
+                .read_fences(partition)
+                .await
+                .map_err(|source| match stray_detail(&source) {
+                    Some(detail) => RunError::Guard(GuardError::StrayValue(detail.to_string())),
+                    None => RunError::Redis(ConnectError {
+                        url: redis_shown.to_string(),
+                        source,
+                    }),
+                })?;
         if let Some((_, tracker)) = fences.tracker() {
             let resume = tracker.resume_at();
             tokio::task::block_in_place(|| guard::check_log(consumer, topic, partition, resume))?;
