@@ -281,7 +281,8 @@ impl Reader {
         let (defaults, entries) = self.registry_from(&keys, &replies[0])?;
         let fields: Vec<(String, String)> =
             redis::from_redis_value_ref(&replies[1]).map_err(RedisError::from)?;
-        let meta = PostMeta::from_fields(&fields, &defaults).with_entry(entries[0].as_deref());
+        let meta = PostMeta::from_fields(&keys.route_key(post_id), &fields, &defaults)?
+            .with_entry(entries[0].as_deref());
         Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
     }
 
@@ -466,7 +467,7 @@ impl Reader {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let guess = PostMeta::from_fields(&[], &known);
+        let guess = PostMeta::from_fields("", &[], &known)?;
         let mut offsets = Vec::with_capacity(guess.versions.len());
         let mut per_post = 0;
         for &version in &guess.versions {
@@ -491,7 +492,8 @@ impl Reader {
         for (i, (&post_id, fields)) in posts.iter().zip(&replies[1..]).enumerate() {
             let fields: Vec<(String, String)> = redis::from_redis_value_ref(fields)?;
             let entry = entries.get(i).and_then(Option::as_deref);
-            let meta = PostMeta::from_fields(&fields, &defaults).with_entry(entry);
+            let meta = PostMeta::from_fields(&keys.route_key(post_id), &fields, &defaults)?
+                .with_entry(entry);
             let mut likes = meta.base;
             for &(version, buckets) in &meta.versions {
                 if let Some(&(_, at)) = offsets.iter().find(|(v, _)| *v == (version, buckets)) {

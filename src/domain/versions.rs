@@ -579,12 +579,24 @@ pub struct PostMeta {
 impl PostMeta {
     /// Reads a route hash's fields (`HGETALL`) and adds the default layout's
     /// later epochs; epoch 0 stands for version 0 when the hash has no `v0`
-    /// (a post never routed).
-    pub fn from_fields(fields: &[(String, String)], defaults: &Defaults) -> Self {
+    /// (a post never routed). A `base` that holds no integer is refused with
+    /// the hash `key` named: it is part of the count, and a count read
+    /// without it would be wrong.
+    pub fn from_fields(
+        key: &str,
+        fields: &[(String, String)],
+        defaults: &Defaults,
+    ) -> Result<Self, RedisError> {
         let mut meta = PostMeta::default();
         for (field, value) in fields {
             match field.as_str() {
-                "base" => meta.base = value.parse().unwrap_or(0),
+                "base" => {
+                    meta.base = value.parse().map_err(|_| {
+                        crate::infra::store::stray_value(format!(
+                            "{key} field base holds {value:?}, which is not a count and not a value tally writes; the post's count cannot be read: set it back from a backup, or recount with `tally rebuild`"
+                        ))
+                    })?
+                }
                 "version" => meta.current = value.parse().ok(),
                 "mode" => meta.mode = Some(value.clone()),
                 _ => {
@@ -607,7 +619,7 @@ impl PostMeta {
                 .map(|e| (e.version, e.buckets)),
         );
         meta.versions.sort_unstable();
-        meta
+        Ok(meta)
     }
 
     /// Adds the versions of the post's registry entry (`entry`, as the
@@ -762,6 +774,20 @@ mod tests {
     }
 
     #[test]
+    fn a_base_that_is_not_a_count_is_refused_with_its_key() {
+        let fields = vec![
+            ("v0".to_string(), "4".to_string()),
+            ("base".to_string(), "ten".to_string()),
+        ];
+        let error = PostMeta::from_fields("t:route:5", &fields, &Defaults::fixed(4)).unwrap_err();
+        let detail = crate::infra::store::stray_detail(&error).expect("a stray value");
+        assert!(
+            detail.starts_with("t:route:5 field base holds \"ten\""),
+            "{detail}"
+        );
+    }
+
+    #[test]
     fn route_hash_fields_become_every_version() {
         let fields: Vec<(String, String)> = [
             ("v0", "16"),
@@ -775,15 +801,16 @@ mod tests {
         .iter()
         .map(|&(a, b)| (a.to_string(), b.to_string()))
         .collect();
-        let meta = PostMeta::from_fields(&fields, &Defaults::fixed(4));
+        let meta = PostMeta::from_fields("t:route:5", &fields, &Defaults::fixed(4)).unwrap();
         assert_eq!(meta.versions, vec![(0, 16), (1, 8), (2, 64)]);
         assert_eq!((meta.base, meta.current), (-3, Some(2)));
         assert_eq!(meta.keys(&KeyLayout::new("t"), 5).len(), 88);
-        let cold = PostMeta::from_fields(&[], &Defaults::fixed(4));
+        let cold = PostMeta::from_fields("t:route:5", &[], &Defaults::fixed(4)).unwrap();
         assert_eq!(cold.versions, vec![(0, 4)]);
         // A version the route hash lost is still summed from the registry.
-        let lost =
-            PostMeta::from_fields(&[], &Defaults::fixed(4)).with_entry(Some("0:4:0;1:64:900"));
+        let lost = PostMeta::from_fields("t:route:5", &[], &Defaults::fixed(4))
+            .unwrap()
+            .with_entry(Some("0:4:0;1:64:900"));
         assert_eq!(lost.versions, vec![(0, 4), (1, 64)]);
         assert_eq!(
             meta.clone().with_entry(Some("0:16:0;2:64:9")).versions,
@@ -791,7 +818,7 @@ mod tests {
         );
         // Every epoch of the default layout is summed, for every post.
         let defaults = Defaults::parse(Some("0:4:0;1:1:100;2:8:200"), 4).unwrap();
-        let rebucketed = PostMeta::from_fields(&fields, &defaults);
+        let rebucketed = PostMeta::from_fields("t:route:5", &fields, &defaults).unwrap();
         assert_eq!(
             rebucketed.versions,
             vec![
@@ -802,7 +829,9 @@ mod tests {
                 (epoch_version(2), 8)
             ]
         );
-        let keys = PostMeta::from_fields(&[], &defaults).keys(&KeyLayout::new("t"), 5);
+        let keys = PostMeta::from_fields("t:route:5", &[], &defaults)
+            .unwrap()
+            .keys(&KeyLayout::new("t"), 5);
         assert_eq!(keys.len(), 13);
         assert!(keys.contains(&"t:likes:5:d1:b0".to_string()), "{keys:?}");
     }

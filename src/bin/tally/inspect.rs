@@ -83,7 +83,7 @@ fn inspect_post(
         .arg(DEFAULT_FIELD)
         .query(conn.as_mut())?;
     let defaults = read_defaults(&keys.registry_key(), entry.as_deref(), record.buckets)?;
-    let meta = PostMeta::from_fields(&fields, &defaults);
+    let meta = PostMeta::from_fields(&keys.route_key(args.post_id), &fields, &defaults)?;
     let mut out = String::new();
     writeln!(
         out,
