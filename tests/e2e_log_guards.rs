@@ -8,7 +8,10 @@
 //!   range of every partition (WARN line, `tally_offsets_skipped_total{reason="retention"}`),
 //!   counts hold everything else, and `tally verify` names what it cannot recount;
 //! * `tally verify` on a topic whose oldest offsets retention deleted after they were counted:
-//!   it recounts from the log's start, names the ranges gone, and exits 3.
+//!   it recounts from the log's start, names the ranges gone, and exits 3;
+//! * retention that deleted what a dedupe window re-reads at an assignment: the range is
+//!   reported for every partition (WARN line, `tally_dedupe_history_lost_offsets_total`), and
+//!   what remains is counted exactly.
 //!
 //! Retention is made to act at once by setting the topic's `retention.ms` to 100 ms (the test
 //! broker checks every 2 s) and back to unlimited once the log's start has moved.
@@ -267,6 +270,73 @@ fn offsets_retention_deleted_while_tally_was_stopped_are_reported_at_assignment(
         );
         assert!(text.contains(&named), "{named:?} not in:\n{text}");
     }
+}
+
+#[test]
+fn retention_inside_the_dedupe_window_is_reported_at_assignment() {
+    const PARTITIONS: i32 = 2;
+    let run = Scenario::new("e2e_log_guards_history", "history", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(
+        [
+            "--metrics-addr",
+            &metrics,
+            "--dedupe",
+            "ids",
+            "--dedupe-window",
+            "100000",
+        ]
+        .map(String::from),
+    );
+    let first = Workload::generate(run.seed, 1_500, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    let counted = run.hwms(first.events.len());
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(&mut conn, &counted, Duration::from_secs(60), || {
+        tally.assert_running()
+    });
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+
+    // Counted, then deleted: the window of the next start would re-read all of it.
+    delete_by_retention(&run.brokers, &run.topic, &counted);
+    let second = Workload::generate(run.seed ^ 0x4e, 800, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let ends = run.hwms(first.events.len() + second.events.len());
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
+        tally.assert_running()
+    });
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+    let text = scrape_metrics(&metrics);
+    assert_eq!(
+        metric_value(&text, "tally_dedupe_history_lost_offsets_total"),
+        Some(first.events.len() as f64),
+        "the window of every partition reached back to offset 0"
+    );
+    let log = tally.log_text();
+    for (p, end) in counted.iter().enumerate() {
+        let lines = lines_with(
+            &log,
+            &[
+                "WARN",
+                &format!("partition={p} from=0 to={}", end - 1),
+                "dedupe window was to re-read were deleted by retention",
+            ],
+        );
+        assert_eq!(lines.len(), 1, "partition {p}:\n{}", tally.log_tail(40));
+    }
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
 }
 
 #[test]

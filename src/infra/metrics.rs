@@ -121,6 +121,8 @@ pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
 pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
 /// Dedupe windows of partitions given up, kept in case they come back.
 pub const DEDUPE_WINDOWS_KEPT: &str = "tally_dedupe_windows_kept";
+/// Offsets a dedupe window should have re-read that retention had deleted.
+pub const DEDUPE_HISTORY_LOST: &str = "tally_dedupe_history_lost_offsets_total";
 /// Per partition, the age of the re-read running now (0 when none runs).
 pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
 /// Per partition, the offsets the running re-read has left below the fences
@@ -344,6 +346,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Seconds a partition's dedupe window took to be re-read from the log below its fences, from the partition's assignment (or resync, or new generation) until its first record above them could be decided; nothing above them is applied meanwhile.",
     ),
     (
+        DEDUPE_HISTORY_LOST,
+        Kind::Counter,
+        "Offsets below a partition's fences that its dedupe window should have re-read at an assignment and that retention had deleted: a repeat of a record among them is not recognized and counts.",
+    ),
+    (
         DEDUPE_WINDOWS_KEPT,
         Kind::Gauge,
         "Dedupe windows of partitions this consumer gave up, kept for 10 minutes so that a partition coming back re-reads only the offsets applied since; with the owned ones never more than the most partitions it owned at once.",
@@ -460,6 +467,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
         counter!(REGISTRY_UNREPLICATED, "step" => step).absolute(0);
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
+    counter!(DEDUPE_HISTORY_LOST).absolute(0);
     for reason in DUPLICATE_REASONS {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
@@ -515,6 +523,11 @@ pub fn dedupe_reread(partition: i32, age: Duration, remaining: i64) {
     let partition = partition.to_string();
     gauge!(DEDUPE_REREAD_AGE, "partition" => partition.clone()).set(age.as_secs_f64());
     gauge!(DEDUPE_REREAD_REMAINING, "partition" => partition).set(remaining.max(0) as f64);
+}
+
+/// Records offsets a dedupe window could not re-read: retention deleted them.
+pub fn dedupe_history_lost(offsets: u64) {
+    counter!(DEDUPE_HISTORY_LOST).increment(offsets);
 }
 
 /// Records a re-read that reached the fences after `took`.

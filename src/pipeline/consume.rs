@@ -58,6 +58,8 @@ pub struct Assignment {
     /// Where the fences' resume offset lies in the partition's log, when
     /// both could be read.
     pub log: Option<LogFit>,
+    /// The first offset the log still held (its low watermark), when read.
+    pub log_start: Option<i64>,
 }
 
 /// A change of ownership, queued by the rebalance callback for the main loop.
@@ -327,12 +329,16 @@ impl TallyContext {
             {
                 error!(partition, %error, "Cannot position partition at its fence.");
             }
-            let log = match offset {
-                Some(Offset::Offset(o)) if watermarks => {
+            let marks = match offset {
+                Some(Offset::Offset(_)) if watermarks => {
                     let marks = guard::watermarks(consumer, &self.topic, partition, LOG_TIMEOUT);
                     watermarks = marks.is_some();
-                    marks.map(|(low, high)| guard::fit(o, low, high))
+                    marks
                 }
+                _ => None,
+            };
+            let log = match (offset, marks) {
+                (Some(Offset::Offset(o)), Some((low, high))) => Some(guard::fit(o, low, high)),
                 _ => None,
             };
             resume.push(match (offset, &found) {
@@ -345,6 +351,7 @@ impl TallyContext {
                 partition,
                 fences: found,
                 log,
+                log_start: marks.map(|(low, _)| low),
             });
         }
         let own_queues = self.split_queues(&partitions);

@@ -206,6 +206,19 @@ pub fn report_trimmed(partition: i32, from: i64, to: i64) {
     crate::infra::metrics::offsets_skipped("retention", (to - from + 1) as u64);
 }
 
+/// Reports offsets `from..=to` of `partition`, below its fences, that its
+/// dedupe window was to re-read and that retention had deleted: a repeat of
+/// one of their records arriving now is not recognized, and counts.
+pub fn report_dedupe_history_lost(partition: i32, from: i64, to: i64) {
+    warn!(
+        partition,
+        from,
+        to,
+        "Offsets the dedupe window was to re-read were deleted by retention: repeats of their records are not recognized. Keep the topic's retention above the window's span (--dedupe-window offsets)."
+    );
+    crate::infra::metrics::dedupe_history_lost((to - from + 1) as u64);
+}
+
 /// Reports a partition stopped because its fence lies beyond its log's end
 /// (`high`: the next offset the log will write).
 pub fn report_fence_ahead(partition: i32, fence: i64, high: i64) {

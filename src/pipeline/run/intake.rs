@@ -8,7 +8,8 @@
 //! event its slot group already has is covered by the range but changes no
 //! counter. A partition whose fence is ahead of its log takes nothing until
 //! it is assigned again; offsets retention deleted before the fence reached
-//! them are reported once per ownership, at its assignment.
+//! them are reported once per ownership, at its assignment, and so are those
+//! below the fences that a dedupe window was to re-read.
 //!
 //! With dedupe on, a partition's window is rebuilt whenever it starts at its
 //! fences (assignment, resync, a new generation): the consumer is placed
@@ -276,6 +277,16 @@ pub(super) fn apply_changes(
                     };
                     if !resume_kept_window(a.partition, &mut state, kept, dedupe) {
                         restart_window(a.partition, &mut state, dedupe);
+                    }
+                    // Retention may have deleted part of what the window re-reads.
+                    if let (Some(reread), Some(start)) = (state.reread, a.log_start)
+                        && reread.from < start
+                    {
+                        guard::report_dedupe_history_lost(
+                            a.partition,
+                            reread.from,
+                            start.min(reread.resume) - 1,
+                        );
                     }
                     if let Some(previous) = owned.insert(a.partition, Arc::new(Slot::new(state))) {
                         previous.stop.cancel();
@@ -671,6 +682,7 @@ mod tests {
             partition: 4,
             fences: Some(fences),
             log: None,
+            log_start: None,
         };
         let changes = vec![Rebalanced::Assigned(vec![assignment])];
         let committer = &mut Committer::new("t");
