@@ -5,7 +5,8 @@
 //! * a counter key holding a value INCRBY refuses: every restart is refused with the key named,
 //!   no increment is kept from the refused scripts, and once the key is fixed every count is
 //!   exact;
-//! * `maxmemory-policy allkeys-lru`: refused before anything is written;
+//! * `maxmemory-policy allkeys-lru`: refused before anything is written; `volatile-lru` too on a
+//!   prefix with trending windows, whose keys expire (before anything is counted);
 //! * Redis that lost everything while the group has committed offsets: refused, and with
 //!   `--accept-lost-counts` counted from those offsets;
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
@@ -182,6 +183,31 @@ fn an_eviction_policy_that_may_drop_keys_is_refused() {
     policy(&mut conn, "volatile-lru");
     count_all(&run, &mut conn, &args, w.events.len());
     run.assert_exact(&mut conn, &w.truth);
+
+    // Trending windows are the keys tally gives an expiry: volatile-* may evict them too.
+    let windowed = Scenario::new("e2e_guards_eviction_windows", "evictwin", PARTITIONS);
+    produce(
+        &windowed.brokers,
+        &windowed.topic,
+        w.messages(0..w.events.len()),
+    );
+    let mut args = windowed.tally_args(&redis.url());
+    args.extend(["--windows", "1h"].map(String::from));
+    let line = refusal_line(&run_refused(&args));
+    assert!(
+        line.contains("has maxmemory-policy volatile-lru, and this prefix keeps trending windows")
+            && line.contains("noeviction"),
+        "{line}"
+    );
+    let counted: Vec<String> = conn.keys(format!("{}:likes:*", windowed.prefix)).unwrap();
+    let windows: Vec<String> = conn.keys(format!("{}:win:*", windowed.prefix)).unwrap();
+    assert!(
+        counted.is_empty() && windows.is_empty(),
+        "the refused start counted: {counted:?} {windows:?}"
+    );
+    policy(&mut conn, "noeviction");
+    count_all(&windowed, &mut conn, &args, w.events.len());
+    windowed.assert_exact(&mut conn, &w.truth);
 }
 
 /// A client of the scenario's group, and the list of its topic's partitions, each at `offset`

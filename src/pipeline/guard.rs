@@ -63,6 +63,16 @@ pub enum GuardError {
         /// Its policy.
         policy: String,
     },
+    /// Redis may evict a trending window's keys, which carry an expiry.
+    #[error(
+        "Redis at {node} has maxmemory-policy {policy}, and this prefix keeps trending windows, whose keys carry an expiry: under memory pressure it may evict a window's counts or leaders before the window ends, and their likes leave the window for good; set maxmemory-policy noeviction in its configuration and with CONFIG SET, then start again"
+    )]
+    WindowEviction {
+        /// The node.
+        node: String,
+        /// Its policy.
+        policy: String,
+    },
     /// A packed generation on a server that would not keep its hashes compact.
     #[error(
         "Redis at {node} has {setting} {value}, and this prefix's packed hashes need at least {needed}: its hashes would become hashtables, several times the memory; set {setting} {needed} (or more) in its configuration and with CONFIG SET, then start again"
@@ -299,9 +309,11 @@ fn server_unchecked(node: &str, error: &str) {
 }
 
 /// Refuses a store whose eviction policy may drop tally's keys, on every
-/// primary. Where the policy cannot be read (CONFIG refused, as managed
-/// services do), says what tally requires and goes on.
-pub fn check_eviction(target: &Target) -> Result<(), GuardError> {
+/// primary: `allkeys-*` always, and `volatile-*` too when the prefix keeps
+/// trending windows (`windows`), the only keys tally gives an expiry. Where
+/// the policy cannot be read (CONFIG refused, as managed services do), says
+/// what tally requires and goes on.
+pub fn check_eviction(target: &Target, windows: bool) -> Result<(), GuardError> {
     let nodes = match scan_nodes(target) {
         Ok(nodes) => nodes,
         Err(error) => {
@@ -321,6 +333,9 @@ pub fn check_eviction(target: &Target) -> Result<(), GuardError> {
         match policy {
             Ok(policy) if policy.starts_with("allkeys-") => {
                 return Err(GuardError::Eviction { node: name, policy });
+            }
+            Ok(policy) if windows && policy.starts_with("volatile-") => {
+                return Err(GuardError::WindowEviction { node: name, policy });
             }
             Ok(_) => {}
             Err(error) => unchecked(&name, &error),

@@ -244,7 +244,7 @@ pub async fn run_with(
     let opened = layout::open(&settings.store).await?;
     let target = opened.target().clone();
     let servers = tokio::task::block_in_place(|| guard::check_server(&target))?;
-    tokio::task::block_in_place(|| guard::check_eviction(&target))?;
+    tokio::task::block_in_place(|| guard::check_eviction(&target, false))?;
     let unreadable = |source: redis::RedisError| match stray_detail(&source) {
         Some(detail) => RunError::Guard(GuardError::StrayValue(detail.to_string())),
         None => RunError::Redis(ConnectError {

@@ -146,6 +146,13 @@ pub(super) async fn check_layout(
         }
     }
     let proposed = Record::of_writer(&writer, wall_ms());
+    // Windows are the keys tally gives an expiry, which volatile-* may evict:
+    // checked before the record that names them is written.
+    let keeps_windows =
+        existing.as_ref().is_some_and(|r| !r.windows.is_empty()) || !proposed.windows.is_empty();
+    if keeps_windows {
+        tokio::task::block_in_place(|| guard::check_eviction(opened.target(), true))?;
+    }
     let (record, written) = layout::ensure_record(&opened.store, base, &proposed).await?;
     if written {
         if data {
