@@ -6,7 +6,8 @@
 //!   no increment is kept from the refused scripts, and once the key is fixed every count is
 //!   exact;
 //! * `maxmemory-policy allkeys-lru`: refused before anything is written; `volatile-lru` too on a
-//!   prefix with trending windows, whose keys expire (before anything is counted);
+//!   prefix with trending windows, whose keys expire (before anything is counted); set under a
+//!   running tally, reported within seconds (ERROR line, `tally_eviction_policy_unsafe`);
 //! * Redis that lost everything while the group has committed offsets: refused, and with
 //!   `--accept-lost-counts` counted from those offsets;
 //! * a broker that came back empty: the fences lie beyond the new log's end; refused, and
@@ -395,6 +396,63 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
 
     count_all(&moved, &mut conn, &args, second.events.len());
     moved.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
+
+/// A policy that may evict tally's keys, set under a running tally with `CONFIG SET`, is
+/// reported within seconds (ERROR line, `tally_eviction_policy_unsafe`), and no longer once it
+/// is set back; counting goes on exactly.
+#[test]
+fn an_eviction_policy_set_while_running_is_reported() {
+    let run = Scenario::new("e2e_guards_evict_live", "evictlive", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(w.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let unsafe_now = || metric_value(&scrape_metrics(&metrics), "tally_eviction_policy_unsafe");
+    assert_eq!(unsafe_now(), Some(0.0));
+    let policy = |conn: &mut redis::Connection, p: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(p)
+            .query(conn)
+            .unwrap();
+    };
+    policy(&mut conn, "allkeys-lru");
+    wait_for(
+        "the unsafe policy reported",
+        Duration::from_secs(30),
+        || {
+            tally.assert_running();
+            (unsafe_now() == Some(1.0)).then_some(())
+        },
+    );
+    let log = tally.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("ERROR")
+            && l.contains("eviction policy changed under a running tally")
+            && l.contains("allkeys-lru")),
+        "{}",
+        tally.log_tail(20)
+    );
+    policy(&mut conn, "noeviction");
+    wait_for(
+        "the safe policy seen again",
+        Duration::from_secs(30),
+        || (unsafe_now() == Some(0.0)).then_some(()),
+    );
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &w.truth);
 }
 
 /// A fence or an origin overwritten with what is not an offset (a foreign writer, a typo in

@@ -121,6 +121,8 @@ pub const DEDUPE_REMEMBERED: &str = "tally_dedupe_remembered_events";
 pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
 /// Dedupe windows of partitions given up, kept in case they come back.
 pub const DEDUPE_WINDOWS_KEPT: &str = "tally_dedupe_windows_kept";
+/// 1 while a primary's eviction policy may evict keys tally needs.
+pub const EVICTION_POLICY_UNSAFE: &str = "tally_eviction_policy_unsafe";
 /// Offsets a dedupe window should have re-read that retention had deleted.
 pub const DEDUPE_HISTORY_LOST: &str = "tally_dedupe_history_lost_offsets_total";
 /// Per partition, the age of the re-read running now (0 when none runs).
@@ -346,6 +348,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Seconds a partition's dedupe window took to be re-read from the log below its fences, from the partition's assignment (or resync, or new generation) until its first record above them could be decided; nothing above them is applied meanwhile.",
     ),
     (
+        EVICTION_POLICY_UNSAFE,
+        Kind::Gauge,
+        "1 while a primary's maxmemory-policy, read again every 10 s, may evict keys tally needs (allkeys-*, or volatile-* on a prefix with trending windows), set under the running process; 0 otherwise.",
+    ),
+    (
         DEDUPE_HISTORY_LOST,
         Kind::Counter,
         "Offsets below a partition's fences that its dedupe window should have re-read at an assignment and that retention had deleted: a repeat of a record among them is not recognized and counts.",
@@ -468,6 +475,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     counter!(DEDUPE_HISTORY_LOST).absolute(0);
+    gauge!(EVICTION_POLICY_UNSAFE).set(0.0);
     for reason in DUPLICATE_REASONS {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
     }
@@ -523,6 +531,11 @@ pub fn dedupe_reread(partition: i32, age: Duration, remaining: i64) {
     let partition = partition.to_string();
     gauge!(DEDUPE_REREAD_AGE, "partition" => partition.clone()).set(age.as_secs_f64());
     gauge!(DEDUPE_REREAD_REMAINING, "partition" => partition).set(remaining.max(0) as f64);
+}
+
+/// Records whether a primary's eviction policy may evict tally's keys now.
+pub fn eviction_policy_unsafe(unsafe_now: bool) {
+    gauge!(EVICTION_POLICY_UNSAFE).set(if unsafe_now { 1.0 } else { 0.0 });
 }
 
 /// Records offsets a dedupe window could not re-read: retention deleted them.

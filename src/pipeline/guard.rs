@@ -26,6 +26,10 @@
 //! last is logged with the range lost and counted in
 //! `tally_offsets_skipped_total{reason="retention"}`.
 //!
+//! The eviction policy can be changed under a running consumer too (`CONFIG
+//! SET`): it is read again every few seconds, and a policy the start would
+//! refuse is an ERROR line and `tally_eviction_policy_unsafe`.
+//!
 //! The log can change under a running consumer too, so the last two are
 //! checked again at every assignment (see `consume`), and a fetched offset
 //! below the fence is checked against the log (see `run`): a fence ahead of
@@ -314,34 +318,97 @@ fn server_unchecked(node: &str, error: &str) {
 /// the policy cannot be read (CONFIG refused, as managed services do), says
 /// what tally requires and goes on.
 pub fn check_eviction(target: &Target, windows: bool) -> Result<(), GuardError> {
-    let nodes = match scan_nodes(target) {
-        Ok(nodes) => nodes,
-        Err(error) => {
-            unchecked(&shown(target), &error);
-            return Ok(());
-        }
-    };
-    for node in nodes {
-        let name = shown(&node);
-        let policy = connect_blocking(&node, Duration::from_secs(5)).and_then(|mut conn| {
-            let (_, policy): (String, String) = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("maxmemory-policy")
-                .query(conn.as_mut())?;
-            Ok(policy)
-        });
+    for (name, policy) in eviction_policies(target) {
         match policy {
-            Ok(policy) if policy.starts_with("allkeys-") => {
-                return Err(GuardError::Eviction { node: name, policy });
-            }
-            Ok(policy) if windows && policy.starts_with("volatile-") => {
-                return Err(GuardError::WindowEviction { node: name, policy });
-            }
-            Ok(_) => {}
+            Ok(policy) => eviction_refusal(name, policy, windows)?,
             Err(error) => unchecked(&name, &error),
         }
     }
     Ok(())
+}
+
+/// Every primary's `maxmemory-policy`, or why it could not be read.
+fn eviction_policies(target: &Target) -> Vec<(String, Result<String, RedisError>)> {
+    let nodes = match scan_nodes(target) {
+        Ok(nodes) => nodes,
+        Err(error) => return vec![(shown(target), Err(error))],
+    };
+    nodes
+        .into_iter()
+        .map(|node| {
+            let policy = connect_blocking(&node, Duration::from_secs(5)).and_then(|mut conn| {
+                let (_, policy): (String, String) = redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("maxmemory-policy")
+                    .query(conn.as_mut())?;
+                Ok(policy)
+            });
+            (shown(&node), policy)
+        })
+        .collect()
+}
+
+/// The refusal a node's `policy` earns: `allkeys-*` always, `volatile-*`
+/// where trending windows keep keys with an expiry.
+fn eviction_refusal(node: String, policy: String, windows: bool) -> Result<(), GuardError> {
+    if policy.starts_with("allkeys-") {
+        return Err(GuardError::Eviction { node, policy });
+    }
+    if windows && policy.starts_with("volatile-") {
+        return Err(GuardError::WindowEviction { node, policy });
+    }
+    Ok(())
+}
+
+/// How often a running consumer reads every primary's eviction policy again.
+pub const EVICTION_RECHECK: Duration = Duration::from_secs(10);
+
+/// Reads the eviction policy of every primary again every
+/// [`EVICTION_RECHECK`] until `shutdown`: a policy set under a running
+/// consumer (`CONFIG SET`) that [`check_eviction`] would refuse is reported
+/// with an ERROR line when it is first seen, and by
+/// `tally_eviction_policy_unsafe` (and its alert) for as long as it lasts.
+/// A policy that cannot be read was warned about at start and is passed.
+pub fn spawn_eviction_watch(
+    target: Target,
+    windows: bool,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    crate::infra::tasks::spawn("eviction-watch", async move {
+        let mut every = tokio::time::interval(EVICTION_RECHECK);
+        let mut reported: Option<String> = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            let target = target.clone();
+            let Ok(policies) =
+                tokio::task::spawn_blocking(move || eviction_policies(&target)).await
+            else {
+                continue;
+            };
+            let refusal = policies
+                .into_iter()
+                .filter_map(|(node, policy)| policy.ok().map(|p| (node, p)))
+                .find_map(|(node, policy)| eviction_refusal(node, policy, windows).err());
+            crate::infra::metrics::eviction_policy_unsafe(refusal.is_some());
+            match refusal {
+                Some(refusal) => {
+                    let text = refusal.to_string();
+                    if reported.as_deref() != Some(text.as_str()) {
+                        tracing::error!(problem = %text, "The store's eviction policy changed under a running tally: keys tally needs may be evicted.");
+                        reported = Some(text);
+                    }
+                }
+                None => {
+                    if reported.take().is_some() {
+                        info!("The store's eviction policy keeps tally's keys again.");
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// Refuses a server that would not keep a packed generation's hashes as

@@ -317,6 +317,12 @@ pub async fn run_with(
         .await
         .map_err(unreadable)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
+    // Checked at start above; a policy set while running is reported.
+    drop(guard::spawn_eviction_watch(
+        target.clone(),
+        !record.windows.is_empty(),
+        shutdown.child_token(),
+    ));
     consumer.subscribe(&[&kafka.topic])?;
     info!(
         topic = %kafka.topic,
