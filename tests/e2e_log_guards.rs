@@ -189,9 +189,7 @@ fn offsets_retention_deleted_while_tally_was_stopped_are_reported_at_assignment(
     let run = Scenario::new("e2e_log_guards_retention", "retained", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let mut args = run.tally_args(&redis.url());
-    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let args = run.tally_args(&redis.url());
 
     let first = Workload::generate(run.seed, 1_500, PARTITIONS);
     produce(
@@ -224,6 +222,10 @@ fn offsets_retention_deleted_while_tally_was_stopped_are_reported_at_assignment(
     let total = first.events.len() + second.events.len() + third.events.len();
     let ends = run.hwms(total);
 
+    // A port picked now: one picked before the first start could be another test's by now.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = args.clone();
+    args.extend(["--metrics-addr", &metrics].map(String::from));
     let mut tally = Tally::spawn_args("tally", &args);
     run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
         tally.assert_running()
@@ -278,19 +280,8 @@ fn retention_inside_the_dedupe_window_is_reported_at_assignment() {
     let run = Scenario::new("e2e_log_guards_history", "history", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = run.tally_args(&redis.url());
-    args.extend(
-        [
-            "--metrics-addr",
-            &metrics,
-            "--dedupe",
-            "ids",
-            "--dedupe-window",
-            "100000",
-        ]
-        .map(String::from),
-    );
+    args.extend(["--dedupe", "ids", "--dedupe-window", "100000"].map(String::from));
     let first = Workload::generate(run.seed, 1_500, PARTITIONS);
     produce(
         &run.brokers,
@@ -313,6 +304,9 @@ fn retention_inside_the_dedupe_window_is_reported_at_assignment() {
         second.messages(0..second.events.len()),
     );
     let ends = run.hwms(first.events.len() + second.events.len());
+    // A port picked now: one picked before the first start could be another test's by now.
+    let metrics = format!("127.0.0.1:{}", free_port());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
     let mut tally = Tally::spawn_args("tally", &args);
     run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
         tally.assert_running()
