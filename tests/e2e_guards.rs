@@ -155,6 +155,16 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
     run.assert_exact(&mut conn, &truth);
 }
 
+/// Sets the server's `maxmemory-policy`, as an operator's `CONFIG SET` would.
+fn policy(conn: &mut redis::Connection, p: &str) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(p)
+        .query(conn)
+        .unwrap();
+}
+
 #[test]
 fn an_eviction_policy_that_may_drop_keys_is_refused() {
     let run = Scenario::new("e2e_guards_eviction", "evict", PARTITIONS);
@@ -162,14 +172,6 @@ fn an_eviction_policy_that_may_drop_keys_is_refused() {
     let mut conn = redis.conn();
     let w = Workload::generate(run.seed, 2_000, PARTITIONS);
     produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
-    let policy = |conn: &mut redis::Connection, p: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg(p)
-            .query(conn)
-            .unwrap();
-    };
     policy(&mut conn, "allkeys-lru");
     let args = run.tally_args(&redis.url());
     let line = refusal_line(&run_refused(&args));
@@ -420,14 +422,6 @@ fn an_eviction_policy_set_while_running_is_reported() {
     );
     let unsafe_now = || metric_value(&scrape_metrics(&metrics), "tally_eviction_policy_unsafe");
     assert_eq!(unsafe_now(), Some(0.0));
-    let policy = |conn: &mut redis::Connection, p: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg(p)
-            .query(conn)
-            .unwrap();
-    };
     policy(&mut conn, "allkeys-lru");
     wait_for(
         "the unsafe policy reported",

@@ -113,19 +113,11 @@ impl Pointer {
             field: &str,
             raw: Option<Vec<u8>>,
         ) -> Result<Option<T>, RedisError> {
-            let Some(raw) = raw else {
-                return Ok(None);
-            };
-            std::str::from_utf8(&raw)
-                .ok()
-                .and_then(|text| text.parse().ok())
-                .map(Some)
-                .ok_or_else(|| {
-                    crate::infra::store::stray_value(format!(
-                        "{key} field {field} holds {:?}, which is not a number and not a value tally writes: set it back to the generation tally writes (generation k keeps its keys under <prefix>:g<k>:, generation 0 directly under the prefix; a rebuild's log names each switch), then start again",
-                        String::from_utf8_lossy(&raw)
-                    ))
-                })
+            crate::infra::store::stored_number(raw, |value| {
+                format!(
+                    "{key} field {field} holds {value:?}, which is not a number and not a value tally writes: set it back to the generation tally writes (generation k keeps its keys under <prefix>:g<k>:, generation 0 directly under the prefix; a rebuild's log names each switch), then start again"
+                )
+            })
         }
         Ok(Self::from_fields(
             number(key, "current", current)?,

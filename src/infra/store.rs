@@ -114,6 +114,23 @@ pub fn stray_value(detail: String) -> RedisError {
     RedisError::from((redis::ErrorKind::UnexpectedReturnType, STRAY_VALUE, detail))
 }
 
+/// The number one of tally's keys (or fields) holds, `None` when absent;
+/// anything else is a [`stray_value`] error whose detail `explain` writes
+/// from the value found.
+pub fn stored_number<T: std::str::FromStr>(
+    raw: Option<Vec<u8>>,
+    explain: impl FnOnce(&str) -> String,
+) -> Result<Option<T>, RedisError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    std::str::from_utf8(&raw)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .map(Some)
+        .ok_or_else(|| stray_value(explain(&String::from_utf8_lossy(&raw))))
+}
+
 /// The detail of a [`stray_value`] error; `None` for any other error.
 pub fn stray_detail(error: &RedisError) -> Option<&str> {
     if error.kind() == redis::ErrorKind::UnexpectedReturnType

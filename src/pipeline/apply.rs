@@ -647,19 +647,11 @@ impl FenceReader {
 /// and no guess of it is safe, so it is an error no retry fixes, whose
 /// detail names the key, its value and the fix.
 fn stored_offset(key: &str, raw: Option<Vec<u8>>) -> Result<Option<i64>, RedisError> {
-    let Some(raw) = raw else {
-        return Ok(None);
-    };
-    match std::str::from_utf8(&raw)
-        .ok()
-        .and_then(|text| text.parse::<i64>().ok())
-    {
-        Some(offset) => Ok(Some(offset)),
-        None => Err(crate::infra::store::stray_value(format!(
-            "{key} holds {:?}, which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`",
-            String::from_utf8_lossy(&raw)
-        ))),
-    }
+    crate::infra::store::stored_number(raw, |value| {
+        format!(
+            "{key} holds {value:?}, which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`"
+        )
+    })
 }
 
 #[cfg(test)]
