@@ -113,3 +113,90 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
     let status = tally.sigterm_and_wait(Duration::from_secs(20));
     assert!(status.success(), "tally exited with {status} after SIGTERM");
 }
+
+/// Redis cuts every connection of tally's again and again from tally's first command past the
+/// handshake until after its start-up checks (as a restart or a failover does): the start-up checks begin again, with
+/// a WARN line, rather than exit or pass a check unread, and once the store answers, counting
+/// is exact.
+#[test]
+fn a_start_cut_off_from_redis_part_way_starts_its_checks_again() {
+    let run = Scenario::new("e2e_redis_restart_start", "startcut", PARTITIONS);
+    let redis = RedisServer::start();
+    let w = Workload::generate(run.seed, 4_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let mut watcher = redis.conn();
+    let mut tally = Tally::spawn_args("tally", &run.tally_args(&redis.url()));
+
+    // tally's store was opened once one of its connections has run a command past the
+    // handshake (its first is the PING that ends the open): its checks have not all run yet.
+    let own: i64 = redis::cmd("CLIENT")
+        .arg("ID")
+        .query(&mut watcher)
+        .expect("CLIENT ID");
+    let handshake = ["cmd=NULL", "cmd=client|setinfo", "cmd=hello", "cmd=auth", "cmd=select"];
+    wait_for("tally's first command", Duration::from_secs(30), || {
+        tally.assert_running();
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut watcher)
+            .expect("CLIENT LIST");
+        clients
+            .lines()
+            .filter(|l| !l.starts_with(&format!("id={own} ")))
+            .any(|l| !handshake.iter().any(|h| l.contains(&format!(" {h} "))))
+            .then_some(())
+    });
+    thread::sleep(Duration::from_millis(20));
+    let retry_line = "Redis stopped answering during the start-up checks; starting them again.";
+    let cut = |conn: &mut redis::Connection| {
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .arg("SKIPME")
+            .arg("yes")
+            .query(conn)
+            .expect("CLIENT KILL");
+    };
+    let cut_since = Instant::now();
+    while !tally.log_text().contains(retry_line) {
+        assert!(
+            cut_since.elapsed() < Duration::from_secs(30),
+            "no start-up check was cut off in 30 s of cutting: {}",
+            tally.log_tail(20)
+        );
+        cut(&mut watcher);
+        tally.assert_running();
+        thread::sleep(Duration::from_millis(2));
+    }
+    // A second attempt cut too, most likely.
+    while cut_since.elapsed() < Duration::from_millis(500) {
+        cut(&mut watcher);
+        thread::sleep(Duration::from_millis(2));
+    }
+    eprintln!(
+        "[e2e_redis_restart] cut tally's connections for {:.2} s; {} start attempts cut",
+        cut_since.elapsed().as_secs_f64(),
+        tally.log_text().matches(retry_line).count()
+    );
+
+    let mut conn = redis.conn();
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(w.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let status = tally.sigterm_and_wait(Duration::from_secs(20));
+    assert!(status.success(), "tally exited with {status} after SIGTERM");
+    // A check whose connection was cut is made again, never passed as unreadable.
+    let log = tally.log_text();
+    for unread in [
+        "Cannot read the store's version",
+        "Cannot read maxmemory-policy",
+        "Cannot read hash-max-listpack-entries",
+    ] {
+        assert!(!log.contains(unread), "{unread}: {}", tally.log_tail(30));
+    }
+    run.assert_exact(&mut conn, &w.truth);
+}

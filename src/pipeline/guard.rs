@@ -44,6 +44,7 @@ use redis::RedisError;
 use tracing::{info, warn};
 
 use crate::domain::placement::scan_nodes;
+use crate::infra::retry::{RedisFailure, classify_redis};
 use crate::infra::security::redact_url;
 use crate::infra::store::{Server, Target, connect_blocking};
 
@@ -57,6 +58,15 @@ pub enum GuardError {
     /// detail names the key, the value and the fix).
     #[error("{0}")]
     StrayValue(String),
+    /// A start-up check lost its connection (a restart, a failover): the
+    /// start is tried again rather than the check passed unread.
+    #[error("cannot reach Redis at {node} for the start-up checks: {error}")]
+    Unreachable {
+        /// The node.
+        node: String,
+        /// What the connection answered.
+        error: String,
+    },
     /// Redis may evict tally's keys.
     #[error(
         "Redis at {node} has maxmemory-policy {policy}: it may evict a fence (the replay then counts events twice) or a counter (its likes are lost); set maxmemory-policy noeviction (or a volatile-* policy) in its configuration and with CONFIG SET, then start again"
@@ -253,6 +263,7 @@ pub fn check_server(target: &Target) -> Result<Vec<(Server, String)>, GuardError
     let nodes = match scan_nodes(target) {
         Ok(nodes) => nodes,
         Err(error) => {
+            lost_connection(&shown(target), &error)?;
             server_unchecked(&shown(target), &error.to_string());
             return Ok(Vec::new());
         }
@@ -272,6 +283,7 @@ pub fn check_server(target: &Target) -> Result<Vec<(Server, String)>, GuardError
                 continue;
             }
             Err(error) => {
+                lost_connection(&name, &error)?;
                 server_unchecked(&name, &error.to_string());
                 continue;
             }
@@ -321,7 +333,10 @@ pub fn check_eviction(target: &Target, windows: bool) -> Result<(), GuardError> 
     for (name, policy) in eviction_policies(target) {
         match policy {
             Ok(policy) => eviction_refusal(name, policy, windows)?,
-            Err(error) => unchecked(&name, &error),
+            Err(error) => {
+                lost_connection(&name, &error)?;
+                unchecked(&name, &error);
+            }
         }
     }
     Ok(())
@@ -419,6 +434,7 @@ pub fn check_listpack(target: &Target, entries: u64, value: u64) -> Result<u64, 
     let nodes = match scan_nodes(target) {
         Ok(nodes) => nodes,
         Err(error) => {
+            lost_connection(&shown(target), &error)?;
             unread_listpack(&shown(target), entries, &error);
             return Ok(0);
         }
@@ -457,7 +473,10 @@ pub fn check_listpack(target: &Target, entries: u64, value: u64) -> Result<u64, 
                 });
             }
             Ok((found, _)) => lowest = lowest.min(found),
-            Err(error) => unread_listpack(&name, entries, &error),
+            Err(error) => {
+                lost_connection(&name, &error)?;
+                unread_listpack(&name, entries, &error);
+            }
         }
     }
     Ok(if lowest == u64::MAX { 0 } else { lowest })
@@ -479,6 +498,20 @@ fn shown(target: &Target) -> String {
         .map(|url| redact_url(url))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Passes an error the server answered (a managed service refusing CONFIG,
+/// say), which the caller reports as a check it could not make; refuses
+/// one of the connection (reset, refused, timed out, LOADING), which says
+/// nothing about the server and must not pass the check unread.
+fn lost_connection(node: &str, error: &RedisError) -> Result<(), GuardError> {
+    match classify_redis(error) {
+        RedisFailure::Fatal | RedisFailure::NoScript => Ok(()),
+        RedisFailure::Transient => Err(GuardError::Unreachable {
+            node: node.to_string(),
+            error: error.to_string(),
+        }),
+    }
 }
 
 fn unchecked(node: &str, error: &RedisError) {
@@ -556,6 +589,26 @@ mod tests {
         );
         assert_eq!(fit(3, 8, 20), LogFit::Trimmed { from: 3, to: 7 });
         assert_eq!(fit(8, 8, 20), LogFit::Fits);
+    }
+
+    #[test]
+    fn a_check_cut_off_is_not_passed_unread() {
+        let cut = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(matches!(
+            lost_connection("redis://h:1/", &cut),
+            Err(GuardError::Unreachable { .. })
+        ));
+        let loading = redis::parse_redis_value(b"-LOADING Redis is loading\r\n")
+            .unwrap()
+            .extract_error()
+            .unwrap_err();
+        assert!(lost_connection("redis://h:1/", &loading).is_err());
+        // A managed service that refuses CONFIG: the check is reported as not made.
+        let refused = redis::parse_redis_value(b"-NOPERM no permissions to run 'config|get'\r\n")
+            .unwrap()
+            .extract_error()
+            .unwrap_err();
+        assert_eq!(lost_connection("redis://h:1/", &refused), Ok(()));
     }
 
     #[test]

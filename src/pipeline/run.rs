@@ -68,13 +68,14 @@ use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::{self, LayoutError};
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch, Routes, wall_ms};
 use crate::infra::config::{ConfigError, RunSettings};
+use crate::infra::retry::{RedisFailure, classify_redis};
 use crate::infra::security::KafkaAcl;
-use crate::infra::store::{ConnectError, stray_detail};
+use crate::infra::store::ConnectError;
 use crate::infra::{metrics, tasks};
 use crate::pipeline::aggregate::Limits;
 use crate::pipeline::apply::{Applier, ApplyError};
 use crate::pipeline::commit::Committer;
-use crate::pipeline::consume::{self, LikeConsumer, TallyContext, TopicError};
+use crate::pipeline::consume::{LikeConsumer, TopicError};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::decode::{BadReason, Decoder};
 use crate::pipeline::guard::{self, GuardError};
@@ -93,7 +94,7 @@ use kept::KeptWindows;
 use reader::{Event, Reading, View};
 use scripts::Done;
 pub use start::writer_layout;
-use start::{FirstStart, check_layout, check_logs, dead_letters, follow_pointer};
+use start::{Started, start};
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -143,6 +144,21 @@ pub enum RunError {
         /// The error.
         source: ApplyError,
     },
+}
+
+impl RunError {
+    /// Whether the store stopped answering (a reset connection, a timeout,
+    /// LOADING after a restart), as against refusing or holding something
+    /// wrong: what a start tries again.
+    pub fn lost_store(&self) -> bool {
+        let transient = |e: &redis::RedisError| classify_redis(e) == RedisFailure::Transient;
+        match self {
+            RunError::Redis(ConnectError { source, .. }) => transient(source),
+            RunError::Layout(LayoutError::Redis(source)) => transient(source),
+            RunError::Guard(GuardError::Unreachable { .. }) => true,
+            _ => false,
+        }
+    }
 }
 
 /// What to do about a fatal consumer error that a setting causes.
@@ -242,80 +258,19 @@ pub async fn run_with(
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
+    let Started {
+        servers,
+        following,
+        applier,
+        consumer,
+        partitions,
+        dead_letters,
+        record,
+        routing: (routes, watch, route_stop),
+    } = start(&opened, &settings, &mode, &shutdown).await?;
     let target = opened.target().clone();
-    let servers = tokio::task::block_in_place(|| guard::check_server(&target))?;
-    tokio::task::block_in_place(|| guard::check_eviction(&target, false))?;
-    let unreadable = |source: redis::RedisError| match stray_detail(&source) {
-        Some(detail) => RunError::Guard(GuardError::StrayValue(detail.to_string())),
-        None => RunError::Redis(ConnectError {
-            url: opened.url.shown().to_string(),
-            source,
-        }),
-    };
-    let following = follow_pointer(&opened, &settings, &mode, &shutdown)
-        .await
-        .map_err(unreadable)?;
-    // A pointer that moved back is not followed by the writers still running.
-    if let Some(backwards) = following
-        .as_ref()
-        .and_then(|f| f.watch.current().backwards(settings.store.prefix()))
-    {
-        return Err(backwards.into());
-    }
-    let written = match (mode.fixed_generation, &following) {
-        (Some(k), _) => k,
-        (None, Some(f)) => f.current,
-        (None, None) => unreachable!("a live pipeline follows the pointer"),
-    };
-    let prefix = generation::prefix_of(settings.store.prefix(), written);
     let kafka = &settings.kafka;
-    // The generation's packing is known once its record is read: until then
-    // the applier only reads fences, which every packing keeps alike.
-    let mut applier = Applier::new(
-        opened.store.clone(),
-        opened.target().clone(),
-        opened.keys.with_prefix(prefix),
-        &kafka.group,
-        &kafka.topic,
-    );
-    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone())
-        .with_group_acl(mode.group_acl.clone());
-    let consumer = Arc::new(consume::create_consumer(kafka, &mode.kafka_group, context)?);
-    consumer.context().attach(&consumer);
-    let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
-    consume::check_group(
-        &consumer,
-        kafka,
-        &mode.kafka_group,
-        partitions,
-        &mode.group_acl,
-    )
-    .await?;
-    // Before anything is written: a dead-letter topic tally may not write is
-    // refused like the consumed topic.
-    let dead_letters = dead_letters(&consumer, kafka)?;
-    let first_start = FirstStart {
-        consumer: &consumer,
-        partitions,
-        live: mode.fixed_generation.is_none(),
-    };
-    let record = check_layout(&opened, &settings, first_start, written).await?;
-    applier = applier.with_keys(record.generation_keys(&opened.keys, written));
-    consumer
-        .context()
-        .set_fences(applier.fence_reader().clone());
-
-    check_logs(
-        &consumer,
-        &applier,
-        (&kafka.topic, partitions),
-        opened.url.shown(),
-    )
-    .await?;
     guard::report_servers(&servers);
-    let (routes, watch, route_stop) = watch_routes(&applier, record.buckets, &settings, &shutdown)
-        .await
-        .map_err(unreadable)?;
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     // Checked at start above; a policy set while running is reported.
     drop(guard::spawn_eviction_watch(

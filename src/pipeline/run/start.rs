@@ -8,34 +8,188 @@
 //! everything under a group with committed offsets is refused unless the loss
 //! is accepted, a server that would not keep a packed generation's hashes
 //! compact is refused before the record names that packing, and a
-//! dead-letter topic exists.
+//! dead-letter topic exists. A check whose connection the store cut (a
+//! restart, a failover) is never passed as unreadable: the start begins
+//! its checks again, and what the failed pass started is stopped.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use rdkafka::consumer::Consumer;
 use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{Following, Mode, RunError};
-use crate::domain::generation::GenerationWatch;
+use super::{Following, Mode, RunError, watch_routes};
+use crate::domain::generation::{self, GenerationWatch};
 use crate::domain::layout::adopt::{self, Survey};
 use crate::domain::layout::{self, LayoutError, OpenStore, Record, WriterLayout};
 use crate::domain::packing::{LONGEST_FIELD, Packing, Wanted};
 use crate::domain::routing::KeyLayout;
-use crate::domain::versions::wall_ms;
+use crate::domain::versions::{RouteWatch, Routes, wall_ms};
 use crate::infra::config::{DEFAULT_BUCKETS, KafkaSettings, RunSettings};
-use crate::infra::store::{ConnectError, stray_detail};
+use crate::infra::retry::Backoff;
+use crate::infra::store::{ConnectError, Server, stray_detail};
 use crate::pipeline::apply::Applier;
-use crate::pipeline::consume::{self, LikeConsumer};
+use crate::pipeline::consume::{self, LikeConsumer, TallyContext};
 use crate::pipeline::dead_letter::DeadLetters;
 use crate::pipeline::guard::{self, GuardError};
+
+/// How long a start goes on trying after the store stopped answering
+/// part-way through its checks (a restart, a failover): longer than a
+/// server takes to load a large dataset.
+pub const START_WAIT: Duration = Duration::from_secs(60);
+
+/// What a start has checked and built, for the loop.
+pub(super) struct Started {
+    pub(super) servers: Vec<(Server, String)>,
+    pub(super) following: Option<Following>,
+    pub(super) applier: Applier,
+    pub(super) consumer: Arc<LikeConsumer>,
+    pub(super) partitions: usize,
+    pub(super) dead_letters: Option<Arc<DeadLetters>>,
+    pub(super) record: Record,
+    pub(super) routing: (Routes, RouteWatch, CancellationToken),
+}
+
+/// Runs the start-up checks until they pass or refuse. The store was
+/// reached once (`opened`); when it stops answering part-way through (a
+/// connection reset, LOADING after a restart), the whole start is tried
+/// again, from its first check, for up to [`START_WAIT`]: a check is never
+/// passed unread, and a half-made start leaves nothing running.
+pub(super) async fn start(
+    opened: &OpenStore,
+    settings: &RunSettings,
+    mode: &Mode,
+    shutdown: &CancellationToken,
+) -> Result<Started, RunError> {
+    let since = Instant::now();
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    loop {
+        let attempt = shutdown.child_token();
+        match start_once(opened, settings, mode, &attempt).await {
+            Ok(started) => return Ok(started),
+            Err(error) if error.lost_store() && since.elapsed() < START_WAIT => {
+                attempt.cancel();
+                let delay = backoff.next_delay();
+                warn!(
+                    %error,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "Redis stopped answering during the start-up checks; starting them again."
+                );
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(error),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+            Err(error) => {
+                attempt.cancel();
+                return Err(error);
+            }
+        }
+    }
+}
+
+/// One pass of the start-up checks, in order: the servers, the generation
+/// pointer, the consumer and its topics and group, the dead-letter topic,
+/// the layout record, every fence against its log, the routing registry.
+/// Tasks it starts stop with `attempt`.
+async fn start_once(
+    opened: &OpenStore,
+    settings: &RunSettings,
+    mode: &Mode,
+    attempt: &CancellationToken,
+) -> Result<Started, RunError> {
+    let target = opened.target();
+    let servers = tokio::task::block_in_place(|| guard::check_server(target))?;
+    tokio::task::block_in_place(|| guard::check_eviction(target, false))?;
+    let unreadable = |source: redis::RedisError| match stray_detail(&source) {
+        Some(detail) => RunError::Guard(GuardError::StrayValue(detail.to_string())),
+        None => RunError::Redis(ConnectError {
+            url: opened.url.shown().to_string(),
+            source,
+        }),
+    };
+    let following = follow_pointer(opened, settings, mode, attempt)
+        .await
+        .map_err(unreadable)?;
+    // A pointer that moved back is not followed by the writers still running.
+    if let Some(backwards) = following
+        .as_ref()
+        .and_then(|f| f.watch.current().backwards(settings.store.prefix()))
+    {
+        return Err(backwards.into());
+    }
+    let written = match (mode.fixed_generation, &following) {
+        (Some(k), _) => k,
+        (None, Some(f)) => f.current,
+        (None, None) => unreachable!("a live pipeline follows the pointer"),
+    };
+    let prefix = generation::prefix_of(settings.store.prefix(), written);
+    let kafka = &settings.kafka;
+    // The generation's packing is known once its record is read: until then
+    // the applier only reads fences, which every packing keeps alike.
+    let mut applier = Applier::new(
+        opened.store.clone(),
+        target.clone(),
+        opened.keys.with_prefix(prefix),
+        &kafka.group,
+        &kafka.topic,
+    );
+    let context = TallyContext::new(&kafka.topic, applier.fence_reader().clone())
+        .with_group_acl(mode.group_acl.clone());
+    let consumer = Arc::new(consume::create_consumer(kafka, &mode.kafka_group, context)?);
+    consumer.context().attach(&consumer);
+    let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
+    consume::check_group(
+        &consumer,
+        kafka,
+        &mode.kafka_group,
+        partitions,
+        &mode.group_acl,
+    )
+    .await?;
+    // Before anything is written: a dead-letter topic tally may not write is
+    // refused like the consumed topic.
+    let dead_letters = dead_letters(&consumer, kafka)?;
+    let first_start = FirstStart {
+        consumer: &consumer,
+        partitions,
+        live: mode.fixed_generation.is_none(),
+    };
+    let record = check_layout(opened, settings, first_start, written).await?;
+    applier = applier.with_keys(record.generation_keys(&opened.keys, written));
+    consumer
+        .context()
+        .set_fences(applier.fence_reader().clone());
+    check_logs(
+        &consumer,
+        &applier,
+        (&kafka.topic, partitions),
+        opened.url.shown(),
+    )
+    .await?;
+    let routing = watch_routes(&applier, record.buckets, settings, attempt)
+        .await
+        .map_err(unreadable)?;
+    Ok(Started {
+        servers,
+        following,
+        applier,
+        consumer,
+        partitions,
+        dead_letters,
+        record,
+        routing,
+    })
+}
 
 /// Checks every partition's fences against its log (see [`guard`]), once,
 /// before the consumer fetches anything: the broker is asked for the
 /// watermarks while nothing else of this consumer is in flight. A fence
 /// ahead of its log stops the start; every assignment checks again (see
 /// [`consume`]), and reports what retention deleted.
-pub(super) async fn check_logs(
+async fn check_logs(
     consumer: &LikeConsumer,
     applier: &Applier,
     (topic, partitions): (&str, usize),
@@ -63,7 +217,7 @@ pub(super) async fn check_logs(
 
 /// What the layout check needs to tell a first start from a store that lost
 /// everything.
-pub(super) struct FirstStart<'a> {
+struct FirstStart<'a> {
     pub(super) consumer: &'a LikeConsumer,
     pub(super) partitions: usize,
     /// `tally run` itself (a rebuild reads with a group of its own).
@@ -74,7 +228,7 @@ pub(super) struct FirstStart<'a> {
 /// earlier version wrote without one), refuses settings that differ from it,
 /// and returns it. A store with no record and no data under a group that has
 /// committed offsets lost everything: refused, unless the loss is accepted.
-pub(super) async fn check_layout(
+async fn check_layout(
     opened: &OpenStore,
     settings: &RunSettings,
     first: FirstStart<'_>,
@@ -242,7 +396,7 @@ fn adoption_reads(keys: &KeyLayout, record: &Record) -> String {
 
 /// A live pipeline's view of the generation pointer; `None` for a pipeline
 /// whose keys are fixed for the run.
-pub(super) async fn follow_pointer(
+async fn follow_pointer(
     opened: &OpenStore,
     settings: &RunSettings,
     mode: &Mode,
@@ -268,7 +422,7 @@ pub(super) async fn follow_pointer(
 }
 
 /// The dead-letter producer, after checking its topic exists.
-pub(super) fn dead_letters(
+fn dead_letters(
     consumer: &LikeConsumer,
     kafka: &KafkaSettings,
 ) -> Result<Option<Arc<DeadLetters>>, RunError> {
