@@ -519,6 +519,88 @@ fn a_fence_origin_or_pointer_that_holds_no_number_is_refused_with_its_key() {
     run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }
 
+/// The generation pointer overwritten under a running consumer with what tally never writes
+/// there: the consumer says so once (ERROR line naming the key and the value) and holds
+/// `tally_generation_pointer_unreadable` at 1 while it goes on counting the generation it
+/// read; set back, the gauge returns to 0. Every count is exact.
+#[test]
+fn a_generation_pointer_overwritten_while_running_is_reported() {
+    let run = Scenario::new("e2e_guards_pointer_live", "pointerlive", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(first.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let unreadable = || {
+        metric_value(
+            &scrape_metrics(&metrics),
+            "tally_generation_pointer_unreadable",
+        )
+    };
+    assert_eq!(unreadable(), Some(0.0));
+    let pointer = format!("{}:generation", run.prefix);
+    let _: () = conn.hset(&pointer, "current", "two").unwrap();
+    wait_for(
+        "the unreadable pointer reported",
+        Duration::from_secs(30),
+        || {
+            tally.assert_running();
+            (unreadable() == Some(1.0)).then_some(())
+        },
+    );
+    let said = format!("{pointer} field current holds \"two\", which is not a number");
+    let errors = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("ERROR") && l.contains(&said))
+            .count()
+    };
+    // Counting goes on meanwhile, into the generation it read.
+    let second = Workload::generate(run.seed ^ 0x9e7, 1_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(first.events.len() + second.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    assert_eq!(
+        errors(&tally.log_text()),
+        1,
+        "said once: {}",
+        tally.log_tail(20)
+    );
+    let _: () = conn.del(&pointer).unwrap();
+    wait_for("the pointer read again", Duration::from_secs(30), || {
+        (unreadable() == Some(0.0)).then_some(())
+    });
+    assert!(
+        tally
+            .log_text()
+            .contains("The generation pointer reads again."),
+        "{}",
+        tally.log_tail(20)
+    );
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
+
 /// A dead-letter copy that can never succeed (here: larger than tally's producer may send) is
 /// retried without end and holds its partition back, but never silently: each failure is
 /// counted, and after a minute `/readyz` fails with the error. The other partitions go on.

@@ -133,7 +133,13 @@ fn a_start_cut_off_from_redis_part_way_starts_its_checks_again() {
         .arg("ID")
         .query(&mut watcher)
         .expect("CLIENT ID");
-    let handshake = ["cmd=NULL", "cmd=client|setinfo", "cmd=hello", "cmd=auth", "cmd=select"];
+    let handshake = [
+        "cmd=NULL",
+        "cmd=client|setinfo",
+        "cmd=hello",
+        "cmd=auth",
+        "cmd=select",
+    ];
     wait_for("tally's first command", Duration::from_secs(30), || {
         tally.assert_running();
         let clients: String = redis::cmd("CLIENT")

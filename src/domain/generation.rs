@@ -29,17 +29,22 @@
 //! again (a failover that lost the switch lost `highest` with it, but not the
 //! writer's memory), and `current < highest` is [`Backwards`]: writers refuse
 //! to start on it, readers report it ([`Pointer::backwards`]).
+//!
+//! A pointer or freeze flag holding what tally never writes there is refused
+//! at start; found by a running writer's follower, it is an ERROR line and
+//! `tally_generation_pointer_unreadable` until it reads again, and the
+//! writer goes on with the generation it last read.
 
 use std::time::Duration;
 
 use redis::RedisError;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::domain::routing::KeyLayout;
 use crate::domain::versions::wall_ms;
-use crate::infra::store::Shared;
+use crate::infra::store::{Shared, stored_number, stray_detail};
 use crate::infra::{metrics, tasks};
 
 /// How long a freeze lasts unless the rebuild renews it.
@@ -256,9 +261,17 @@ pub async fn record_highest(store: &Shared, base: &str, k: u64) -> Result<(), Re
 pub async fn read_state(store: &Shared, base: &str) -> Result<State, RedisError> {
     let pointer = read_pointer(store, base).await?;
     let key = freeze_key(base);
-    let frozen: Option<u64> = store
-        .call(|mut s| async move { redis::cmd("GET").arg(&key).query_async(&mut s).await })
+    let raw: Option<Vec<u8>> = store
+        .call(|mut s| {
+            let key = key.clone();
+            async move { redis::cmd("GET").arg(&key).query_async(&mut s).await }
+        })
         .await?;
+    let frozen: Option<u64> = stored_number(raw, |value| {
+        format!(
+            "{key} holds {value:?}, which is not a generation and not a value tally writes; a rebuild's switch cannot be held for: delete it if no `tally rebuild` is switching now, or set it to the generation the rebuild writes"
+        )
+    })?;
     Ok(State {
         current: pointer.current,
         highest: pointer.highest,
@@ -445,6 +458,9 @@ impl GenerationWatch {
         let (send, state) = watch::channel(first);
         tasks::spawn("generation-follower", async move {
             let mut last = first;
+            // The stray value last reported, until the pointer reads again.
+            let mut stray: Option<String> = None;
+            metrics::generation_pointer_unreadable(false);
             loop {
                 let pause = if last.frozen_for.is_some() {
                     FROZEN_POLL
@@ -457,6 +473,13 @@ impl GenerationWatch {
                 }
                 match read_state(&store, &base).await {
                     Ok(state) => {
+                        if stray.take().is_some() {
+                            info!(
+                                generation = state.current,
+                                "The generation pointer reads again."
+                            );
+                        }
+                        metrics::generation_pointer_unreadable(false);
                         last = state;
                         if send.send(state).is_err() {
                             return;
@@ -466,7 +489,23 @@ impl GenerationWatch {
                         // Unreadable: hold nothing back; the pointer is read again soon.
                         last.frozen_for = None;
                         let _ = send.send(last);
-                        warn!(%error, "Reading the generation pointer failed; retrying.");
+                        match stray_detail(&error) {
+                            // Not a retry that will pass: said once, and kept
+                            // on the gauge (and its alert) until set right.
+                            Some(detail) => {
+                                metrics::generation_pointer_unreadable(true);
+                                if stray.as_deref() != Some(detail) {
+                                    error!(
+                                        generation = last.current,
+                                        "{detail}; this consumer goes on writing the generation it last read, and no rebuild can switch while the pointer is unreadable."
+                                    );
+                                    stray = Some(detail.to_string());
+                                }
+                            }
+                            None => {
+                                warn!(%error, "Reading the generation pointer failed; retrying.")
+                            }
+                        }
                     }
                 }
             }

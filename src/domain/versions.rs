@@ -588,23 +588,31 @@ impl PostMeta {
         defaults: &Defaults,
     ) -> Result<Self, RedisError> {
         let mut meta = PostMeta::default();
+        // A field tally writes that holds what tally never writes there: the
+        // post's buckets (or where they start) cannot be known, so its count
+        // is not read rather than read short.
+        let stray = |field: &str, value: &str, what: &str| {
+            crate::infra::store::stray_value(format!(
+                "{key} field {field} holds {value:?}, which is not {what} and not a value tally writes; the post's count cannot be read: set it back from a backup, or recount with `tally rebuild`"
+            ))
+        };
         for (field, value) in fields {
             match field.as_str() {
-                "base" => {
-                    meta.base = value.parse().map_err(|_| {
-                        crate::infra::store::stray_value(format!(
-                            "{key} field base holds {value:?}, which is not a count and not a value tally writes; the post's count cannot be read: set it back from a backup, or recount with `tally rebuild`"
-                        ))
-                    })?
+                "base" => meta.base = value.parse().map_err(|_| stray(field, value, "a count"))?,
+                "version" => {
+                    meta.current = Some(
+                        value
+                            .parse()
+                            .map_err(|_| stray(field, value, "a version"))?,
+                    )
                 }
-                "version" => meta.current = value.parse().ok(),
                 "mode" => meta.mode = Some(value.clone()),
                 _ => {
-                    if let Some(version) = field.strip_prefix('v').and_then(|v| v.parse().ok())
-                        && let Ok(buckets) = value.parse::<u32>()
-                        && buckets > 0
-                    {
-                        meta.versions.push((version, buckets));
+                    if let Some(version) = field.strip_prefix('v').and_then(|v| v.parse().ok()) {
+                        match value.parse::<u32>() {
+                            Ok(buckets) if buckets > 0 => meta.versions.push((version, buckets)),
+                            _ => return Err(stray(field, value, "a number of buckets")),
+                        }
                     }
                 }
             }
@@ -785,6 +793,16 @@ mod tests {
             detail.starts_with("t:route:5 field base holds \"ten\""),
             "{detail}"
         );
+        for (field, value) in [("v1", "eight"), ("v1", "0"), ("version", "x")] {
+            let fields = [(field.to_string(), value.to_string())];
+            let error = PostMeta::from_fields("t:route:5", &fields, &Defaults::fixed(4))
+                .expect_err("a version field holding no number");
+            let detail = crate::infra::store::stray_detail(&error).expect("a stray value");
+            assert!(
+                detail.starts_with(&format!("t:route:5 field {field} holds {value:?}")),
+                "{detail}"
+            );
+        }
     }
 
     #[test]

@@ -123,6 +123,8 @@ pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
 pub const DEDUPE_WINDOWS_KEPT: &str = "tally_dedupe_windows_kept";
 /// 1 while a primary's eviction policy may evict keys tally needs.
 pub const EVICTION_POLICY_UNSAFE: &str = "tally_eviction_policy_unsafe";
+/// 1 while the generation pointer holds what tally never writes there.
+pub const GENERATION_POINTER_UNREADABLE: &str = "tally_generation_pointer_unreadable";
 /// Offsets a dedupe window should have re-read that retention had deleted.
 pub const DEDUPE_HISTORY_LOST: &str = "tally_dedupe_history_lost_offsets_total";
 /// Per partition, the age of the re-read running now (0 when none runs).
@@ -353,6 +355,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "1 while a primary's maxmemory-policy, read again every 10 s, may evict keys tally needs (allkeys-*, or volatile-* on a prefix with trending windows), set under the running process; 0 otherwise.",
     ),
     (
+        GENERATION_POINTER_UNREADABLE,
+        Kind::Gauge,
+        "1 while a running writer reads a generation pointer (or freeze flag) holding a value tally never writes there; it goes on writing the generation it last read, and no rebuild can switch. 0 otherwise.",
+    ),
+    (
         DEDUPE_HISTORY_LOST,
         Kind::Counter,
         "Offsets below a partition's fences that its dedupe window should have re-read at an assignment and that retention had deleted: a repeat of a record among them is not recognized and counts.",
@@ -536,6 +543,11 @@ pub fn dedupe_reread(partition: i32, age: Duration, remaining: i64) {
 /// Records whether a primary's eviction policy may evict tally's keys now.
 pub fn eviction_policy_unsafe(unsafe_now: bool) {
     gauge!(EVICTION_POLICY_UNSAFE).set(if unsafe_now { 1.0 } else { 0.0 });
+}
+
+/// Records whether the generation pointer holds a value tally never writes.
+pub fn generation_pointer_unreadable(unreadable: bool) {
+    gauge!(GENERATION_POINTER_UNREADABLE).set(if unreadable { 1.0 } else { 0.0 });
 }
 
 /// Records offsets a dedupe window could not re-read: retention deleted them.

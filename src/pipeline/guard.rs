@@ -283,7 +283,7 @@ pub fn check_server(target: &Target) -> Result<Vec<(Server, String)>, GuardError
                 continue;
             }
             Err(error) => {
-                lost_connection(&name, &error)?;
+                lost_connection(&name, error)?;
                 server_unchecked(&name, &error.to_string());
                 continue;
             }
