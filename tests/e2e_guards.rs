@@ -601,6 +601,83 @@ fn a_generation_pointer_overwritten_while_running_is_reported() {
     run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }
 
+/// Redis at maxmemory under noeviction refuses every script's first write: no key is at fault,
+/// so no partition is stopped and nothing is half-written. tally retries each batch (a WARN
+/// line naming maxmemory, `tally_redis_retries_total`) and counts everything exactly once Redis
+/// has room again.
+#[test]
+fn a_redis_out_of_memory_is_waited_out_without_stopping_a_partition() {
+    let run = Scenario::new("e2e_guards_oom", "oom", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(first.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let retries =
+        || metric_value(&scrape_metrics(&metrics), "tally_redis_retries_total").unwrap_or(0.0);
+    let retried_before = retries();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query(&mut conn)
+        .unwrap();
+    let before = snapshot(&mut conn, &run.prefix);
+    let second = Workload::generate(run.seed ^ 0x00f, 1_000, PARTITIONS);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let full = "Redis is at maxmemory and refuses writes";
+    wait_for(
+        "the batches waiting for room",
+        Duration::from_secs(30),
+        || {
+            tally.assert_running();
+            (tally.log_text().contains(full) && retries() >= retried_before + 3.0).then_some(())
+        },
+    );
+    assert_eq!(
+        snapshot(&mut conn, &run.prefix),
+        before,
+        "a refused write kept something"
+    );
+    let log = tally.log_text();
+    assert!(
+        !log.contains("refused its increment"),
+        "no key is at fault: {}",
+        tally.log_tail(20)
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query(&mut conn)
+        .unwrap();
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(first.events.len() + second.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
+}
+
 /// A dead-letter copy that can never succeed (here: larger than tally's producer may send) is
 /// retried without end and holds its partition back, but never silently: each failure is
 /// counted, and after a minute `/readyz` fails with the error. The other partitions go on.

@@ -55,7 +55,9 @@ pub enum RedisFailure {
     Fatal,
 }
 
-/// Classifies a Redis error.
+/// Classifies a Redis error. `OOM` (a server at `maxmemory` under
+/// `noeviction` refuses a call's first write, and so the whole call) is
+/// transient: nothing was written, and the call passes once Redis has room.
 pub fn classify_redis(error: &RedisError) -> RedisFailure {
     if error.kind() == ErrorKind::Server(redis::ServerErrorKind::NoScript) {
         return RedisFailure::NoScript;
@@ -70,7 +72,7 @@ pub fn classify_redis(error: &RedisError) -> RedisFailure {
     match error.code() {
         Some(
             "LOADING" | "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN" | "READONLY" | "BUSY" | "MOVED"
-            | "ASK",
+            | "ASK" | "OOM",
         ) => RedisFailure::Transient,
         Some(_) => RedisFailure::Fatal,
         None => match error.kind() {
@@ -111,7 +113,18 @@ where
             Err(error) => {
                 crate::infra::metrics::redis_retry();
                 let delay = backoff.next_delay();
-                warn!(operation = what, %error, retry_in_ms = delay.as_millis() as u64, "Redis call failed; retrying.");
+                let retry_in_ms = delay.as_millis() as u64;
+                match error.code() {
+                    Some("OOM") => warn!(
+                        operation = what,
+                        %error,
+                        retry_in_ms,
+                        "Redis is at maxmemory and refuses writes (noeviction): nothing of this call was written, and it is retried until Redis has room; raise maxmemory or free memory on the server."
+                    ),
+                    _ => {
+                        warn!(operation = what, %error, retry_in_ms, "Redis call failed; retrying.")
+                    }
+                }
                 tokio::select! {
                     _ = cancel.cancelled() => return Err(GaveUp::Cancelled),
                     _ = tokio::time::sleep(delay) => {}
@@ -150,6 +163,7 @@ mod tests {
             "CLUSTERDOWN down",
             "READONLY replica",
             "MOVED 5 h:1",
+            "OOM command not allowed when used memory > 'maxmemory'.",
         ] {
             assert_eq!(
                 classify_redis(&server_error(line)),

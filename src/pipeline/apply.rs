@@ -71,6 +71,20 @@ pub fn script_text(keys: &KeyLayout) -> &'static str {
     }
 }
 
+/// The error reply `line` (`CODE message`) as the client would have read it.
+fn server_error(line: &str) -> RedisError {
+    redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+        .and_then(|value| value.extract_error().map(|_| ()))
+        .err()
+        .unwrap_or_else(|| {
+            RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "apply.lua reply",
+                line.to_string(),
+            ))
+        })
+}
+
 /// The script's code for a counter key INCRBY refused (beyond the decision table).
 const REFUSED: i64 = 4;
 
@@ -416,6 +430,12 @@ impl Applier {
         if code == REFUSED {
             let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
             let error = text(3).unwrap_or_default();
+            // A server at maxmemory refuses a script's first write (and none
+            // after it): no key is at fault, nothing was written, and the
+            // call is retried like any other OOM reply.
+            if error.starts_with("OOM ") {
+                return Err(server_error(&error));
+            }
             // Each window's counts and leaders are the last keys of the call.
             let sets = prepared.window_sets().count();
             let counters = counter_keys(self.keys(), prepared);
