@@ -56,8 +56,9 @@ pub enum RedisFailure {
 }
 
 /// Classifies a Redis error. `OOM` (a server at `maxmemory` under
-/// `noeviction` refuses a call's first write, and so the whole call) is
-/// transient: nothing was written, and the call passes once Redis has room.
+/// `noeviction`) and `MISCONF` (a server that cannot persist) refuse a
+/// call's first write, and so the whole call: transient, as nothing was
+/// written and the call passes once the server is put right.
 pub fn classify_redis(error: &RedisError) -> RedisFailure {
     if error.kind() == ErrorKind::Server(redis::ServerErrorKind::NoScript) {
         return RedisFailure::NoScript;
@@ -72,7 +73,7 @@ pub fn classify_redis(error: &RedisError) -> RedisFailure {
     match error.code() {
         Some(
             "LOADING" | "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN" | "READONLY" | "BUSY" | "MOVED"
-            | "ASK" | "OOM",
+            | "ASK" | "OOM" | "MISCONF",
         ) => RedisFailure::Transient,
         Some(_) => RedisFailure::Fatal,
         None => match error.kind() {

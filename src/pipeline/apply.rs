@@ -71,18 +71,16 @@ pub fn script_text(keys: &KeyLayout) -> &'static str {
     }
 }
 
-/// The error reply `line` (`CODE message`) as the client would have read it.
-fn server_error(line: &str) -> RedisError {
-    redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
-        .and_then(|value| value.extract_error().map(|_| ()))
-        .err()
-        .unwrap_or_else(|| {
-            RedisError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "apply.lua reply",
-                line.to_string(),
-            ))
-        })
+/// A refusal that comes from the server's state and not from a key: at
+/// `maxmemory` (OOM), unable to persist (MISCONF), demoted to a replica
+/// (READONLY), Redis refuses a script's first write, and no write after it,
+/// so nothing was written. Returned as the error the call would have
+/// failed with, which is retried; `None` for a key's own refusal (a value
+/// that is not an integer, another type, an overflow).
+fn server_refusal(error: &str) -> Option<RedisError> {
+    let reply = redis::parse_redis_value(format!("-{error}\r\n").as_bytes()).ok()?;
+    let refused = reply.extract_error().err()?;
+    (classify_redis(&refused) == RedisFailure::Transient).then_some(refused)
 }
 
 /// The script's code for a counter key INCRBY refused (beyond the decision table).
@@ -430,11 +428,8 @@ impl Applier {
         if code == REFUSED {
             let index = usize::try_from(number(2)? - 2).map_err(|_| unexpected())?;
             let error = text(3).unwrap_or_default();
-            // A server at maxmemory refuses a script's first write (and none
-            // after it): no key is at fault, nothing was written, and the
-            // call is retried like any other OOM reply.
-            if error.starts_with("OOM ") {
-                return Err(server_error(&error));
+            if let Some(refused) = server_refusal(&error) {
+                return Err(refused);
             }
             // Each window's counts and leaders are the last keys of the call.
             let sets = prepared.window_sets().count();
@@ -677,6 +672,26 @@ fn stored_offset(key: &str, raw: Option<Vec<u8>>) -> Result<Option<i64>, RedisEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_that_refuses_writes_is_retried_and_a_bad_key_is_not() {
+        for line in [
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
+            "READONLY You can't write against a read only replica.",
+        ] {
+            let refused = server_refusal(line).expect(line);
+            assert_eq!(classify_redis(&refused), RedisFailure::Transient, "{line}");
+        }
+        for line in [
+            "ERR value is not an integer or out of range",
+            "ERR increment or decrement would overflow",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+            "",
+        ] {
+            assert!(server_refusal(line).is_none(), "{line}");
+        }
+    }
 
     #[test]
     fn runs_cover_every_delta_in_order() {
