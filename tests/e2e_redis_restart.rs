@@ -5,6 +5,10 @@
 
 mod common;
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -114,75 +118,116 @@ fn counts_survive_redis_restarts_from_a_torn_aof() {
     assert!(status.success(), "tally exited with {status} after SIGTERM");
 }
 
-/// Redis cuts every connection of tally's again and again from tally's first command past the
-/// handshake until after its start-up checks (as a restart or a failover does): the start-up checks begin again, with
-/// a WARN line, rather than exit or pass a check unread, and once the store answers, counting
-/// is exact.
+/// Between tally and Redis, a proxy the test controls: it forwards every connection until it
+/// has passed on the answer to the first PING (the one that ends tally's opening of the
+/// store), then cuts every connection, open or new, until told to stop, as a restart or a
+/// failover would. tally is then between its open and the end of its checks, for certain.
+struct CuttingProxy {
+    port: u16,
+    cutting: Arc<AtomicBool>,
+}
+
+impl CuttingProxy {
+    fn start(redis_port: u16) -> CuttingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let port = listener.local_addr().unwrap().port();
+        let cutting = Arc::new(AtomicBool::new(false));
+        let ponged = Arc::new(AtomicBool::new(false));
+        let open: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        {
+            let cutting = cutting.clone();
+            thread::spawn(move || {
+                for client in listener.incoming() {
+                    let Ok(client) = client else { continue };
+                    if cutting.load(Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", redis_port)) else {
+                        continue;
+                    };
+                    let mut held = open.lock().unwrap();
+                    held.extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
+                    drop(held);
+                    let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    thread::spawn(move || pipe(client, server, None));
+                    let (cutting, ponged, open) = (cutting.clone(), ponged.clone(), open.clone());
+                    thread::spawn(move || {
+                        pipe(
+                            s2,
+                            c2,
+                            Some(Box::new(move |bytes: &[u8]| {
+                                if !ponged.load(Ordering::SeqCst)
+                                    && bytes.windows(5).any(|w| w == b"+PONG")
+                                {
+                                    ponged.store(true, Ordering::SeqCst);
+                                    cutting.store(true, Ordering::SeqCst);
+                                    for stream in open.lock().unwrap().drain(..) {
+                                        let _ = stream.shutdown(Shutdown::Both);
+                                    }
+                                }
+                            })),
+                        )
+                    });
+                }
+            });
+        }
+        CuttingProxy { port, cutting }
+    }
+
+    /// Forwards again, from the next connection on.
+    fn stop_cutting(&self) {
+        self.cutting.store(false, Ordering::SeqCst);
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+}
+
+type Seen = Box<dyn FnMut(&[u8]) + Send>;
+
+/// Copies `from` to `to` until either closes; `seen` is shown each chunk after it was passed on.
+fn pipe(mut from: TcpStream, mut to: TcpStream, mut seen: Option<Seen>) {
+    let mut buf = [0u8; 16 << 10];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                if let Some(seen) = seen.as_mut() {
+                    seen(&buf[..n]);
+                }
+            }
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+/// Redis stops answering right after tally opened the store and before its start-up checks
+/// ran (as a restart or a failover does): the checks begin again, with a WARN line, rather than
+/// exit or pass a check unread, and once the store answers, counting is exact.
 #[test]
 fn a_start_cut_off_from_redis_part_way_starts_its_checks_again() {
     let run = Scenario::new("e2e_redis_restart_start", "startcut", PARTITIONS);
     let redis = RedisServer::start();
     let w = Workload::generate(run.seed, 4_000, PARTITIONS);
     produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
-    let mut watcher = redis.conn();
-    let mut tally = Tally::spawn_args("tally", &run.tally_args(&redis.url()));
-
-    // tally's store was opened once one of its connections has run a command past the
-    // handshake (its first is the PING that ends the open): its checks have not all run yet.
-    let own: i64 = redis::cmd("CLIENT")
-        .arg("ID")
-        .query(&mut watcher)
-        .expect("CLIENT ID");
-    let handshake = [
-        "cmd=NULL",
-        "cmd=client|setinfo",
-        "cmd=hello",
-        "cmd=auth",
-        "cmd=select",
-    ];
-    wait_for("tally's first command", Duration::from_secs(30), || {
-        tally.assert_running();
-        let clients: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .query(&mut watcher)
-            .expect("CLIENT LIST");
-        clients
-            .lines()
-            .filter(|l| !l.starts_with(&format!("id={own} ")))
-            .any(|l| !handshake.iter().any(|h| l.contains(&format!(" {h} "))))
-            .then_some(())
-    });
-    thread::sleep(Duration::from_millis(20));
+    let proxy = CuttingProxy::start(redis.port());
+    let mut tally = Tally::spawn_args("tally", &run.tally_args(&proxy.url()));
     let retry_line = "Redis stopped answering during the start-up checks; starting them again.";
-    let cut = |conn: &mut redis::Connection| {
-        let _: i64 = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("TYPE")
-            .arg("normal")
-            .arg("SKIPME")
-            .arg("yes")
-            .query(conn)
-            .expect("CLIENT KILL");
-    };
-    let cut_since = Instant::now();
-    while !tally.log_text().contains(retry_line) {
-        assert!(
-            cut_since.elapsed() < Duration::from_secs(30),
-            "no start-up check was cut off in 30 s of cutting: {}",
-            tally.log_tail(20)
-        );
-        cut(&mut watcher);
+    wait_for("a start-up check cut off", Duration::from_secs(30), || {
         tally.assert_running();
-        thread::sleep(Duration::from_millis(2));
-    }
-    // A second attempt cut too, most likely.
-    while cut_since.elapsed() < Duration::from_millis(500) {
-        cut(&mut watcher);
-        thread::sleep(Duration::from_millis(2));
-    }
+        tally.log_text().contains(retry_line).then_some(())
+    });
+    // Cut for a moment longer: a second attempt fails too.
+    thread::sleep(Duration::from_millis(500));
+    proxy.stop_cutting();
     eprintln!(
-        "[e2e_redis_restart] cut tally's connections for {:.2} s; {} start attempts cut",
-        cut_since.elapsed().as_secs_f64(),
+        "[e2e_redis_restart] {} start attempts cut",
         tally.log_text().matches(retry_line).count()
     );
 
