@@ -1005,6 +1005,7 @@ fn check_strimzi(docs: &[Yaml], cluster: &str, namespace: &str) {
     let group = data("group");
     for (kind, name, operation) in [
         ("topic", data("topic"), "Read"),
+        ("topic", data("topic"), "DescribeConfigs"),
         ("group", group.clone(), "Read"),
         ("group", format!("{group}-rebuild-g1-1700000000000"), "Read"),
         ("group", format!("{group}-verify"), "Read"),
@@ -1020,7 +1021,8 @@ fn check_strimzi(docs: &[Yaml], cluster: &str, namespace: &str) {
         assert_ne!(acl["resource"]["type"].as_str(), Some("cluster"), "{acl:?}");
         for operation in acl["operations"].as_vec().unwrap() {
             assert!(
-                ["Read", "Write", "Describe"].contains(&operation.as_str().unwrap()),
+                ["Read", "Write", "Describe", "DescribeConfigs"]
+                    .contains(&operation.as_str().unwrap()),
                 "tally needs no {operation:?} (docs/security.md#kafka-acls)"
             );
         }

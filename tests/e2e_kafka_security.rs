@@ -244,8 +244,8 @@ impl Secured {
         thread::sleep(Duration::from_millis(300));
     }
 
-    /// tally's ACLs as docs/security.md writes them: `Read` on the topic and the group, `Write`
-    /// on the dead-letter topic.
+    /// tally's ACLs as docs/security.md writes them: `Read` on the topic and the group,
+    /// `DescribeConfigs` on the topic, `Write` on the dead-letter topic.
     fn grant_tally(&self, topic: &str, group: &str, dead_letter_topic: Option<&str>) {
         self.add_acl(&[
             "--allow-principal",
@@ -256,6 +256,14 @@ impl Secured {
             topic,
             "--group",
             group,
+        ]);
+        self.add_acl(&[
+            "--allow-principal",
+            "User:tally",
+            "--operation",
+            "DescribeConfigs",
+            "--topic",
+            topic,
         ]);
         if let Some(dead) = dead_letter_topic {
             self.add_acl(&[
@@ -329,6 +337,13 @@ fn counts_exactly_through(listener: Listener, test: &str, short: &str) {
         assert_eq!(rdkafka::Message::payload(letter), Some(BAD));
     }
     assert!(tally.sigterm_and_wait(Duration::from_secs(30)).success());
+    // The ACLs the docs prescribe let every start-up check be made.
+    let log = tally.log_text();
+    assert!(
+        !log.contains("Cannot read the topic's cleanup.policy"),
+        "{}",
+        tally.log_tail(20)
+    );
     eprintln!(
         "[{short}] {} events and {PARTITIONS} bad messages counted exactly through {listener:?}",
         EVENTS

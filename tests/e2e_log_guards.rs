@@ -11,7 +11,10 @@
 //!   it recounts from the log's start, names the ranges gone, and exits 3;
 //! * retention that deleted what a dedupe window re-reads at an assignment: the range is
 //!   reported for every partition (WARN line, `tally_dedupe_history_lost_offsets_total`), and
-//!   what remains is counted exactly.
+//!   what remains is counted exactly;
+//! * a compacted topic (`cleanup.policy=compact`), whose cleaner would delete likes that share
+//!   a key: refused at start with nothing written, and reported when set under a running
+//!   consumer (ERROR line, `tally_topic_compacted`).
 //!
 //! Retention is made to act at once by setting the topic's `retention.ms` to 100 ms (the test
 //! broker checks every 2 s) and back to unlimited once the log's start has moved.
@@ -24,20 +27,26 @@ use std::time::Duration;
 use common::*;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use redis::Commands;
 
 /// Sets `topic`'s `retention.ms` (every other topic setting goes back to the broker's default).
 fn set_retention_ms(brokers: &str, topic: &str, ms: &str) {
+    set_topic_config(brokers, topic, "retention.ms", ms);
+}
+
+/// Sets one setting of `topic` (every other goes back to the broker's default).
+fn set_topic_config(brokers: &str, topic: &str, name: &str, value: &str) {
     use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
     use rdkafka::client::DefaultClientContext;
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .expect("create admin client");
-    let config = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("retention.ms", ms);
+    let config = AlterConfig::new(ResourceSpecifier::Topic(topic)).set(name, value);
     let results = futures::executor::block_on(admin.alter_configs(&[config], &AdminOptions::new()))
         .expect("alter_configs");
     for result in results {
-        result.unwrap_or_else(|e| panic!("set retention.ms of {topic}: {e:?}"));
+        result.unwrap_or_else(|e| panic!("set {name} of {topic}: {e:?}"));
     }
 }
 
@@ -395,4 +404,67 @@ fn verify_recounts_from_the_log_start_and_names_what_retention_deleted() {
         text.contains("error: retention deleted offsets the counts hold"),
         "{text}"
     );
+}
+
+/// A topic set to `cleanup.policy=compact` is refused at start in one line, before anything is
+/// written; set so under a running consumer, it is an ERROR line and `tally_topic_compacted` 1
+/// until it is set back. Every count is exact.
+#[test]
+fn a_compacted_topic_is_refused_at_start_and_reported_while_running() {
+    const PARTITIONS: i32 = 2;
+    let run = Scenario::new("e2e_log_guards_compact", "compacted", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let w = Workload::generate(run.seed, 1_500, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+
+    set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "compact");
+    let line = refusal_line(&run_refused(&run.tally_args(&redis.url())));
+    assert!(
+        line.contains(&format!("topic {} has cleanup.policy=compact", run.topic))
+            && line.contains("cleanup.policy=delete"),
+        "{line}"
+    );
+    let written: Vec<String> = conn.keys(format!("{}*", run.prefix)).unwrap();
+    assert!(written.is_empty(), "the refused start wrote {written:?}");
+
+    set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "delete");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(w.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    let compacted = || metric_value(&scrape_metrics(&metrics), "tally_topic_compacted");
+    assert_eq!(compacted(), Some(0.0));
+    set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "compact");
+    wait_for(
+        "the compacted topic reported",
+        Duration::from_secs(40),
+        || {
+            tally.assert_running();
+            (compacted() == Some(1.0)).then_some(())
+        },
+    );
+    let errors = lines_with(
+        &tally.log_text(),
+        &[
+            "ERROR",
+            "cleanup.policy changed under a running tally",
+            "cleanup.policy=compact",
+        ],
+    );
+    assert_eq!(errors.len(), 1, "{}", tally.log_tail(20));
+    set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "delete");
+    wait_for(
+        "the topic seen deleting again",
+        Duration::from_secs(40),
+        || (compacted() == Some(0.0)).then_some(()),
+    );
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &w.truth);
 }

@@ -123,6 +123,8 @@ pub const DEDUPE_REREAD_SECONDS: &str = "tally_dedupe_reread_seconds";
 pub const DEDUPE_WINDOWS_KEPT: &str = "tally_dedupe_windows_kept";
 /// 1 while a primary's eviction policy may evict keys tally needs.
 pub const EVICTION_POLICY_UNSAFE: &str = "tally_eviction_policy_unsafe";
+/// 1 while the consumed topic's cleanup.policy compacts it.
+pub const TOPIC_COMPACTED: &str = "tally_topic_compacted";
 /// 1 while the generation pointer holds what tally never writes there.
 pub const GENERATION_POINTER_UNREADABLE: &str = "tally_generation_pointer_unreadable";
 /// Offsets a dedupe window should have re-read that retention had deleted.
@@ -355,6 +357,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "1 while a primary's maxmemory-policy, read again every 10 s, may evict keys tally needs (allkeys-*, or volatile-* on a prefix with trending windows), set under the running process; 0 otherwise.",
     ),
     (
+        TOPIC_COMPACTED,
+        Kind::Gauge,
+        "1 while the consumed topic's cleanup.policy, read again every 10 s, includes compact (set under the running process): Kafka's log cleaner may delete likes that share a key before they are counted. 0 otherwise.",
+    ),
+    (
         GENERATION_POINTER_UNREADABLE,
         Kind::Gauge,
         "1 while a running writer reads a generation pointer (or freeze flag) holding a value tally never writes there; it goes on writing the generation it last read, and no rebuild can switch. 0 otherwise.",
@@ -543,6 +550,11 @@ pub fn dedupe_reread(partition: i32, age: Duration, remaining: i64) {
 /// Records whether a primary's eviction policy may evict tally's keys now.
 pub fn eviction_policy_unsafe(unsafe_now: bool) {
     gauge!(EVICTION_POLICY_UNSAFE).set(if unsafe_now { 1.0 } else { 0.0 });
+}
+
+/// Records whether the consumed topic's cleanup.policy compacts it.
+pub fn topic_compacted(compacted: bool) {
+    gauge!(TOPIC_COMPACTED).set(if compacted { 1.0 } else { 0.0 });
 }
 
 /// Records whether the generation pointer holds a value tally never writes.

@@ -38,6 +38,10 @@
 
 use std::time::Duration;
 
+mod compaction;
+
+pub use compaction::{COMPACTION_RECHECK, check_compaction, spawn_compaction_watch};
+
 use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use redis::RedisError;
@@ -67,6 +71,19 @@ pub enum GuardError {
         /// What the connection answered.
         error: String,
     },
+    /// The consumed topic is compacted: Kafka drops likes that share a key.
+    #[error(
+        "topic {topic} has cleanup.policy={policy}: Kafka's log cleaner keeps only the newest record of each key, so likes that share a key are deleted before a lagging consumer, a replay or a rebuild reads them; set cleanup.policy=delete (kafka-configs --alter --entity-type topics --entity-name {topic} --add-config cleanup.policy=delete), then start again"
+    )]
+    CompactedTopic {
+        /// The topic.
+        topic: String,
+        /// Its cleanup.policy.
+        policy: String,
+    },
+    /// A check could not be made for a reason the operator must fix.
+    #[error("{0}")]
+    Unreadable(String),
     /// Redis may evict tally's keys.
     #[error(
         "Redis at {node} has maxmemory-policy {policy}: it may evict a fence (the replay then counts events twice) or a counter (its likes are lost); set maxmemory-policy noeviction (or a volatile-* policy) in its configuration and with CONFIG SET, then start again"

@@ -273,6 +273,10 @@ pub async fn run_with(
     guard::report_servers(&servers);
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     // Checked at start above; a policy set while running is reported.
+    drop(guard::spawn_compaction_watch(
+        settings.kafka.clone(),
+        shutdown.child_token(),
+    ));
     drop(guard::spawn_eviction_watch(
         target.clone(),
         !record.windows.is_empty(),

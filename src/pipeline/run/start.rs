@@ -7,10 +7,11 @@
 //! first start, adopting data written without one), a store that lost
 //! everything under a group with committed offsets is refused unless the loss
 //! is accepted, a server that would not keep a packed generation's hashes
-//! compact is refused before the record names that packing, and a
-//! dead-letter topic exists. A check whose connection the store cut (a
-//! restart, a failover) is never passed as unreadable: the start begins
-//! its checks again, and what the failed pass started is stopped.
+//! compact is refused before the record names that packing, the consumed
+//! topic is not compacted, and a dead-letter topic exists. A check whose
+//! connection the store cut (a restart, a failover) is never passed as
+//! unreadable: the start begins its checks again, and what the failed pass
+//! started is stopped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -141,6 +142,7 @@ async fn start_once(
     let consumer = Arc::new(consume::create_consumer(kafka, &mode.kafka_group, context)?);
     consumer.context().attach(&consumer);
     let partitions = consume::check_consumed_topic(&consumer, kafka).await?;
+    guard::check_compaction(kafka).await?;
     consume::check_group(
         &consumer,
         kafka,
