@@ -14,7 +14,9 @@
 //!   what remains is counted exactly;
 //! * a compacted topic (`cleanup.policy=compact`), whose cleaner would delete likes that share
 //!   a key: refused at start with nothing written, and reported when set under a running
-//!   consumer (ERROR line, `tally_topic_compacted`).
+//!   consumer (ERROR line, `tally_topic_compacted`);
+//! * partitions added to the topic under a running tally: each is counted from its first
+//!   offset, likes produced to it before the consumer saw it included.
 //!
 //! Retention is made to act at once by setting the topic's `retention.ms` to 100 ms (the test
 //! broker checks every 2 s) and back to unlimited once the log's start has moved.
@@ -467,4 +469,61 @@ fn a_compacted_topic_is_refused_at_start_and_reported_while_running() {
     );
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
     run.assert_exact(&mut conn, &w.truth);
+}
+
+/// Partitions added to the topic under a running consumer (`kafka-topics --alter
+/// --partitions`) are assigned at the next metadata refresh (tally's default: 30 s) and
+/// counted from their first offset: likes produced to them before the consumer saw them count
+/// too, exactly once.
+#[test]
+fn partitions_added_under_a_running_tally_are_counted_from_their_start() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
+    use rdkafka::client::DefaultClientContext;
+    let run = Scenario::new("e2e_log_guards_grown", "grown", 2);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let first = Workload::generate(run.seed, 1_500, 2);
+    produce(
+        &run.brokers,
+        &run.topic,
+        first.messages(0..first.events.len()),
+    );
+    // tally's own metadata refresh (30 s) finds the new partitions.
+    let args = run.tally_args(&redis.url());
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        &mut conn,
+        &run.hwms(first.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &run.brokers)
+        .create()
+        .expect("create admin client");
+    let grown = futures::executor::block_on(
+        admin.create_partitions(&[NewPartitions::new(&run.topic, 4)], &AdminOptions::new()),
+    )
+    .expect("create_partitions");
+    for result in grown {
+        result.unwrap_or_else(|e| panic!("grow {}: {e:?}", run.topic));
+    }
+    let second = Workload::generate(run.seed ^ 0x4a7, 2_000, 4);
+    produce(
+        &run.brokers,
+        &run.topic,
+        second.messages(0..second.events.len()),
+    );
+    let hwms = run.hwms(first.events.len() + second.events.len());
+    assert_eq!(hwms.len(), 4, "{hwms:?}");
+    assert!(
+        hwms[2] > 0 && hwms[3] > 0,
+        "new partitions hold likes: {hwms:?}"
+    );
+    run.wait_applied(&mut conn, &hwms, Duration::from_secs(90), || {
+        tally.assert_running()
+    });
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }

@@ -546,6 +546,12 @@ pub const COMMIT_INTERVAL_MS: &str = "100";
 /// broker's `group.consumer.heartbeat.interval.ms` rules.
 pub const CLASSIC_HEARTBEAT_INTERVAL_MS: &str = "500";
 
+/// How often the consumer reads the topic's metadata, and so how soon
+/// partitions added to the topic are assigned and counted (librdkafka's
+/// default is 5 minutes, during which likes on a new partition wait unseen
+/// and unreported). `-X topic.metadata.refresh.interval.ms` overrides it.
+pub const METADATA_REFRESH_MS: &str = "30000";
+
 /// Creates the consumer of `group`: nothing stored automatically, stored
 /// offsets committed every [`COMMIT_INTERVAL_MS`]; `kafka`'s security and extra settings apply on top of
 /// tally's defaults, but never over the group and the commit settings.
@@ -561,6 +567,7 @@ pub fn create_consumer(
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "false")
         .set("statistics.interval.ms", STATISTICS_INTERVAL_MS)
+        .set("topic.metadata.refresh.interval.ms", METADATA_REFRESH_MS)
         .set("client.id", "tally");
     if kafka.group_protocol == GroupProtocol::Classic {
         // Incremental rebalancing: a consumer joining or leaving moves only
