@@ -400,6 +400,28 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
     moved.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
 }
 
+/// Produces 2,000 likes, starts `tally run` serving metrics and waits until every one is
+/// applied: a consumer running and caught up, its metrics address, and the likes it counted.
+fn caught_up_with_metrics(
+    run: &Scenario,
+    redis: &RedisServer,
+    conn: &mut redis::Connection,
+) -> (Tally, String, Workload) {
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = run.tally_args(&redis.url());
+    args.extend(["--metrics-addr", &metrics].map(String::from));
+    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
+    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let mut tally = Tally::spawn_args("tally", &args);
+    run.wait_applied(
+        conn,
+        &run.hwms(w.events.len()),
+        Duration::from_secs(60),
+        || tally.assert_running(),
+    );
+    (tally, metrics, w)
+}
+
 /// A policy that may evict tally's keys, set under a running tally with `CONFIG SET`, is
 /// reported within seconds (ERROR line, `tally_eviction_policy_unsafe`), and no longer once it
 /// is set back; counting goes on exactly.
@@ -408,18 +430,7 @@ fn an_eviction_policy_set_while_running_is_reported() {
     let run = Scenario::new("e2e_guards_evict_live", "evictlive", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let mut args = run.tally_args(&redis.url());
-    args.extend(["--metrics-addr", &metrics].map(String::from));
-    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(
-        &mut conn,
-        &run.hwms(w.events.len()),
-        Duration::from_secs(60),
-        || tally.assert_running(),
-    );
+    let (mut tally, metrics, w) = caught_up_with_metrics(&run, &redis, &mut conn);
     let unsafe_now = || metric_value(&scrape_metrics(&metrics), "tally_eviction_policy_unsafe");
     assert_eq!(unsafe_now(), Some(0.0));
     policy(&mut conn, "allkeys-lru");
@@ -528,22 +539,7 @@ fn a_generation_pointer_overwritten_while_running_is_reported() {
     let run = Scenario::new("e2e_guards_pointer_live", "pointerlive", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let mut args = run.tally_args(&redis.url());
-    args.extend(["--metrics-addr", &metrics].map(String::from));
-    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(
-        &mut conn,
-        &run.hwms(first.events.len()),
-        Duration::from_secs(60),
-        || tally.assert_running(),
-    );
+    let (mut tally, metrics, first) = caught_up_with_metrics(&run, &redis, &mut conn);
     let unreadable = || {
         metric_value(
             &scrape_metrics(&metrics),
@@ -610,22 +606,7 @@ fn a_redis_out_of_memory_is_waited_out_without_stopping_a_partition() {
     let run = Scenario::new("e2e_guards_oom", "oom", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let mut args = run.tally_args(&redis.url());
-    args.extend(["--metrics-addr", &metrics].map(String::from));
-    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(
-        &mut conn,
-        &run.hwms(first.events.len()),
-        Duration::from_secs(60),
-        || tally.assert_running(),
-    );
+    let (mut tally, metrics, first) = caught_up_with_metrics(&run, &redis, &mut conn);
     let retries =
         || metric_value(&scrape_metrics(&metrics), "tally_redis_retries_total").unwrap_or(0.0);
     let retried_before = retries();

@@ -215,7 +215,17 @@ impl Shared {
             source,
         };
         // A server that is loading its dataset (a restart from its AOF or
-        // RDB) answers LOADING until it is done: waited for, not refused.
+        // RDB) answers LOADING until it is done, and one going down for a
+        // restart drops the connection it had accepted: both waited for, not
+        // refused. A connection refused (nothing listens: a wrong port) fails
+        // at once, and so does a dropped one over TLS, where a handshake the
+        // server rejects looks the same.
+        let restarting = |error: &RedisError| {
+            error.code() == Some("LOADING")
+                || (error.is_connection_dropped()
+                    && !error.is_connection_refusal()
+                    && !url.uses_tls())
+        };
         let waited_since = std::time::Instant::now();
         let mut told = false;
         loop {
@@ -228,11 +238,9 @@ impl Shared {
                 Err(error) => Err(error),
             };
             match connected {
-                Err(error)
-                    if error.code() == Some("LOADING") && waited_since.elapsed() < LOADING_WAIT =>
-                {
+                Err(error) if restarting(&error) && waited_since.elapsed() < LOADING_WAIT => {
                     if !told {
-                        tracing::warn!(url = %url.shown(), "Redis is loading its dataset; waiting for it.");
+                        tracing::warn!(url = %url.shown(), %error, "Redis is loading its dataset or restarting; waiting for it.");
                         told = true;
                     }
                     tokio::time::sleep(Duration::from_millis(250)).await;
