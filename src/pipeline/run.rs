@@ -93,8 +93,8 @@ use intake::{IdleOwnership, Intake, Owning};
 use kept::KeptWindows;
 use reader::{Event, Reading, View};
 use scripts::Done;
+use start::start;
 pub use start::writer_layout;
-use start::{Started, start};
 
 /// Why `tally run` stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -258,51 +258,42 @@ pub async fn run_with(
         return Err(problem.into());
     }
     let opened = layout::open(&settings.store).await?;
-    let Started {
-        servers,
-        following,
-        applier,
-        consumer,
-        partitions,
-        dead_letters,
-        record,
-        routing: (routes, watch, route_stop),
-    } = start(&opened, &settings, &mode, &shutdown).await?;
-    let target = opened.target().clone();
+    let started = start(&opened, &settings, &mode, &shutdown).await?;
     let kafka = &settings.kafka;
-    guard::report_servers(&servers);
+    guard::report_servers(&started.servers);
     metrics::describe(&BadReason::ALL.map(BadReason::as_str));
     // Checked at start above; a policy set while running is reported.
     drop(guard::spawn_compaction_watch(
-        settings.kafka.clone(),
+        kafka.clone(),
         shutdown.child_token(),
     ));
     drop(guard::spawn_eviction_watch(
-        target.clone(),
-        !record.windows.is_empty(),
+        opened.target().clone(),
+        !started.record.windows.is_empty(),
         shutdown.child_token(),
     ));
-    consumer.subscribe(&[&kafka.topic])?;
+    started.consumer.subscribe(&[&kafka.topic])?;
+    let (_, watch, _) = &started.routing;
     info!(
         topic = %kafka.topic,
-        partitions,
+        partitions = started.partitions,
         group = %mode.kafka_group,
         group_protocol = %kafka.group_protocol,
         fence_group = %kafka.group,
         buckets = watch.current().defaults().latest().buckets,
-        prefix = %applier.keys().prefix(),
-        layout = %applier.keys().packing(),
+        prefix = %started.applier.keys().prefix(),
+        layout = %started.applier.keys().packing(),
         promote_above = settings.hot.promote_above,
         routed_posts = watch.current().routed_posts(),
         "Consuming."
     );
     let mut pipeline = Pipeline::new(
         settings,
-        consumer,
-        applier,
-        (routes, watch, route_stop),
-        following,
-        dead_letters,
+        started.consumer,
+        started.applier,
+        started.routing,
+        started.following,
+        started.dead_letters,
     );
     let result = pipeline.consume(&shutdown).await;
     pipeline.drain().await;
