@@ -212,6 +212,7 @@ fn dashboards_and_alerts_name_only_exported_metrics() {
     let shown: Vec<String> = dashboard.iter().flat_map(|e| metric_names(e)).collect();
     for needed in [
         "tally_events_total",
+        "tally_messages_read_total",
         "tally_consumer_lag_messages",
         "tally_apply_seconds_bucket",
         "tally_bad_messages_total",

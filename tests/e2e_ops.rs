@@ -99,6 +99,10 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
         Some(EVENTS as f64)
     );
     assert!(text.contains("# HELP tally_events_total"), "{text}");
+    // Every applied message was read; a message fetched again after a seek
+    // is read twice, so the count may be higher, never lower.
+    let read = metric_value(&text, tally::infra::metrics::MESSAGES_READ).unwrap_or(0.0);
+    assert!(read >= EVENTS as f64, "read {read} of {EVENTS} messages");
 
     // Readiness follows Redis; liveness does not.
     redis.kill();

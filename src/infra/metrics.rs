@@ -19,6 +19,8 @@ use metrics_exporter_prometheus::{
 
 /// Good events aggregated.
 pub const EVENTS: &str = "tally_events_total";
+/// Messages taken from the log, applied or not.
+pub const MESSAGES_READ: &str = "tally_messages_read_total";
 /// Bad messages skipped, by `reason`.
 pub const BAD_MESSAGES: &str = "tally_bad_messages_total";
 /// Messages copied to the dead-letter topic.
@@ -188,6 +190,11 @@ pub enum Kind {
 /// Every metric tally exports: name, kind and help text (the `# HELP` line).
 pub const ALL: &[(&str, Kind, &str)] = &[
     (EVENTS, Kind::Counter, "Good like events applied."),
+    (
+        MESSAGES_READ,
+        Kind::Counter,
+        "Messages taken from the log: every message a batch covers, and those re-read to rebuild a dedupe window or dropped as read before a seek. Its rate against tally_events_total's tells a consumer held by its reading from one held by its store.",
+    ),
     (
         BAD_MESSAGES,
         Kind::Counter,
@@ -465,6 +472,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     }
     for name in [
         EVENTS,
+        MESSAGES_READ,
         DEAD_LETTERS,
         INCREMENTS,
         REDIS_RETRIES,
@@ -576,6 +584,12 @@ pub fn dedupe_reread_done(partition: i32, took: Duration) {
 /// Records a dead-lettered message.
 pub fn dead_lettered() {
     counter!(DEAD_LETTERS).increment(1);
+}
+
+/// Records `messages` taken from the log in one run (never one call per
+/// message: the readers share this counter).
+pub fn messages_read(messages: usize) {
+    counter!(MESSAGES_READ).increment(messages as u64);
 }
 
 /// Records one script's reply (`outcome`: one of [`SCRIPT_OUTCOMES`]).

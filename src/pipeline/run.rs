@@ -459,6 +459,7 @@ impl Pipeline {
                 }
                 Some(event) = self.events.recv() => self.heard(event)?,
                 received = consumer.recv(), if !self.blocked => {
+                    let mut read = usize::from(received.is_ok());
                     self.received(received).await?;
                     // What librdkafka already holds is taken before the other
                     // arms are polled again, up to a bound that keeps the
@@ -468,10 +469,14 @@ impl Pipeline {
                             break;
                         }
                         match consumer.recv().now_or_never() {
-                            Some(received) => self.received(received).await?,
+                            Some(received) => {
+                                read += usize::from(received.is_ok());
+                                self.received(received).await?;
+                            }
                             None => break,
                         }
                     }
+                    metrics::messages_read(read);
                 }
             }
         }

@@ -44,7 +44,7 @@ use super::DRAIN_AT_MOST;
 use super::intake::{self, Intake, Owned, Slot};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
-use crate::infra::tasks;
+use crate::infra::{metrics, tasks};
 use crate::pipeline::aggregate::Limits;
 use crate::pipeline::consume::{LikeConsumer, PartitionQueue, TallyContext};
 use crate::pipeline::dead_letter::DeadLetters;
@@ -253,28 +253,34 @@ impl Reader {
         let view = self.reading.view();
         self.table = Some(view.watch.current());
         let mut received = Some(first);
-        let mut taken = 0;
+        let (mut taken, mut read) = (0, 0);
+        let mut whole = true;
         while let Some(result) = received.take() {
             if self.slot.stop.is_cancelled() {
-                return false;
+                whole = false;
+                break;
             }
+            taken += 1;
             match result {
                 Ok(message) => {
+                    read += 1;
                     if !self.one(&view, &message).await {
-                        return false;
+                        whole = false;
+                        break;
                     }
                 }
                 Err(error) => {
                     let _ = self.reading.events.send(Event::Failed(error));
                 }
             }
-            taken += 1;
             if taken == DRAIN_AT_MOST {
-                return false;
+                whole = false;
+                break;
             }
             received = messages.next().now_or_never().flatten();
         }
-        true
+        metrics::messages_read(read);
+        whole
     }
 
     /// Takes one message; `false` when the reader is to stop taking.
