@@ -14,6 +14,10 @@
 //!   them in turn, every record with an event id of its own), in both modes:
 //!   what dedupe adds to a record once its windows are full.
 //!   Throughput is records.
+//! * `hot sketch`: [`tally::pipeline::hot::SpaceSaving::add`] of every counter
+//!   of the closed batches, as hot-post detection observes each batch when it
+//!   closes, into a sketch of [`SKETCH_SIZE`] posts cleared once per 200,000
+//!   events (the second it counts). Throughput is counters.
 //!
 //! Events come from [`tally_lab::generate::Traffic`] with the benchmark's Zipf
 //! shape (s = 1.1 over 1,000,000 posts), so hash-map sizes and key lengths are
@@ -28,6 +32,7 @@ use tally::pipeline::aggregate::{Batch, ClosedBatch, CounterId, Limits};
 use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
 use tally::pipeline::decode::{EventId, Like};
 use tally::pipeline::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings, Window};
+use tally::pipeline::hot::{SKETCH_SIZE, SpaceSaving};
 use tally_lab::generate::{Traffic, TrafficShape};
 
 const EVENTS: usize = 200_000;
@@ -214,9 +219,35 @@ fn dedupe(c: &mut Criterion, payloads: &[Vec<u8>]) {
     group.finish();
 }
 
+fn hot(c: &mut Criterion, payloads: &[Vec<u8>]) {
+    let (mut batch, mut closed) = (Batch::new(), Vec::new());
+    aggregate(payloads, &mut batch, &mut closed);
+    let counters: Vec<(u64, u32)> = closed
+        .iter()
+        .flat_map(|b| b.deltas.iter().map(|(id, _)| (id.post_id, 1)))
+        .collect();
+    let mut group = c.benchmark_group("hot sketch");
+    group.throughput(Throughput::Elements(counters.len() as u64));
+    let mut sketch = SpaceSaving::new(SKETCH_SIZE);
+    group.bench_function(
+        format!("{} counters into {SKETCH_SIZE} posts", counters.len()),
+        |b| {
+            b.iter(|| {
+                sketch.clear();
+                for &(post, events) in black_box(&counters) {
+                    sketch.add(post, u64::from(events));
+                }
+            })
+        },
+    );
+    group.finish();
+}
+
 fn all(c: &mut Criterion) {
     bench(c);
-    dedupe(c, &encoded_events());
+    let payloads = encoded_events();
+    dedupe(c, &payloads);
+    hot(c, &payloads);
 }
 
 criterion_group!(benches, all);

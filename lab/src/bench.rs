@@ -351,11 +351,21 @@ struct Measured {
     /// The consumer's busiest thread while it read the backlog: its name
     /// and the share of one core it used.
     busiest_thread: Option<(String, f64)>,
+    /// tally only: messages it read from its first message to the backlog's
+    /// last, and the seconds between (`tally_messages_read_total`), timed as
+    /// the raw consumer is.
+    reading: Option<(u64, f64)>,
 }
 
 impl Measured {
     fn rate(&self) -> f64 {
         self.events as f64 / self.secs.max(1e-9)
+    }
+
+    /// Messages per second while reading, when known.
+    fn reading_rate(&self) -> Option<f64> {
+        let (messages, secs) = self.reading?;
+        Some(messages as f64 / secs.max(1e-9))
     }
 
     fn calls_per_event(&self) -> Option<f64> {

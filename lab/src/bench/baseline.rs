@@ -233,5 +233,6 @@ pub(super) fn measure(
         } else {
             None
         },
+        reading: None,
     })
 }

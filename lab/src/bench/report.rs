@@ -216,6 +216,21 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
     Ok(())
 }
 
+/// tally's reading rate against the raw consumer's: both timed from the
+/// first message read to the last, so neither holds tally's start nor its
+/// last scripts.
+fn reading(tally: &Measured, raw: &Measured) -> String {
+    match tally.reading_rate() {
+        Some(rate) => format!(
+            ", reading alone **{}** ({} messages/s, its first message read to its last, as the raw consumer is timed; \
+             the events/s run from its assignment to its last script)",
+            ratio(rate, raw.rate()),
+            thousands(rate as u64),
+        ),
+        None => String::new(),
+    }
+}
+
 /// tally's figures as multiples of the raw and the naive consumers'.
 fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
     let versus = |tally: &Measured, naive: &Measured| {
@@ -233,8 +248,9 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
     };
     writeln!(
         out,
-        "\ntally / raw: events/s **{}**{}.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
+        "\ntally / raw: events/s **{}**{}{}.  \ntally / naive: {}.  \ntally / naive pipelined: {}.  ",
         ratio(o.tally.rate(), o.raw.rate()),
+        reading(&o.tally, &o.raw),
         busiest(&o.tally, &o.raw),
         versus(&o.tally, &o.naive),
         versus(&o.tally, &o.pipelined),

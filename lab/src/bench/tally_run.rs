@@ -4,7 +4,9 @@
 //! Progress is read from the fences alone (the last offset applied per
 //! partition), so the figures need nothing from tally's own counters: the
 //! backlog is consumed when every fence has reached its partition's high
-//! watermark. The latency is from the broker's acknowledgement of a marker
+//! watermark. One figure beside them comes from tally: the rate it read the
+//! backlog at (`tally_messages_read_total`), from its first message to its
+//! last, as the raw consumer is timed. The latency is from the broker's acknowledgement of a marker
 //! like to the moment a `GET` of the marker's counter key (polled every
 //! millisecond) shows it; the marker's likes all come from one user, so they
 //! share one partition, arrive in order and land in one key. The phase and its
@@ -64,22 +66,25 @@ impl FenceWatch {
             .sum())
     }
 
-    /// Polls until every partition's fence reaches its high watermark.
-    /// Returns when consuming started (tally's log saying its partitions
-    /// were assigned, or else the first fence seen), what was applied then,
-    /// and when everything was.
+    /// Polls until every partition's fence reaches its high watermark, and
+    /// the messages `tally` says it read (when its metrics are given).
     fn until_caught_up(
         &mut self,
         marks: &[(i64, i64)],
         child: &mut Child,
         log: Option<&Path>,
-    ) -> Result<(Instant, u64, Instant)> {
+        metrics: Option<SocketAddr>,
+    ) -> Result<Pass> {
         let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
         let mut first: Option<(Instant, u64)> = None;
+        let mut reads = metrics.map(Reads::new);
         let (mut last_progress, mut last_applied) = (Instant::now(), u64::MAX);
         loop {
             let applied = self.applied(marks)?;
             let now = Instant::now();
+            if let Some(reads) = reads.as_mut() {
+                reads.sample(now, total);
+            }
             if first.is_none() {
                 let assigned = log.is_some_and(|log| {
                     std::fs::read_to_string(log).is_ok_and(|t| t.contains("Partitions assigned"))
@@ -89,8 +94,13 @@ impl FenceWatch {
                 }
             }
             if applied >= total {
-                let (t0, a0) = first.unwrap_or((now, applied));
-                return Ok((t0, a0, now));
+                let (started, applied_then) = first.unwrap_or((now, applied));
+                return Ok(Pass {
+                    started,
+                    applied_then,
+                    done: now,
+                    reading: reads.and_then(|reads| reads.figures(total)),
+                });
             }
             if applied != last_applied {
                 (last_progress, last_applied) = (now, applied);
@@ -103,6 +113,62 @@ impl FenceWatch {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// One pass of `tally run` over a backlog, as [`FenceWatch::until_caught_up`] saw it.
+struct Pass {
+    /// When consuming started: tally's log saying its partitions were
+    /// assigned, or else the first fence seen.
+    started: Instant,
+    /// Messages applied at `started`.
+    applied_then: u64,
+    /// When every fence reached its high watermark.
+    done: Instant,
+    /// Messages read from the first to the backlog's last, and the seconds between.
+    reading: Option<(u64, f64)>,
+}
+
+/// tally's `tally_messages_read_total` over a pass: when it first rose above
+/// zero and when it reached the backlog's size, read as often as the fences.
+struct Reads {
+    metrics: SocketAddr,
+    first: Option<(Instant, u64)>,
+    last: Option<Instant>,
+}
+
+impl Reads {
+    fn new(metrics: SocketAddr) -> Self {
+        Self {
+            metrics,
+            first: None,
+            last: None,
+        }
+    }
+
+    /// Reads the counter once; a child not serving yet is no sample.
+    fn sample(&mut self, now: Instant, total: u64) {
+        if self.last.is_some() {
+            return;
+        }
+        let Ok(read) = stages::counter(self.metrics, "tally_messages_read_total") else {
+            return;
+        };
+        let read = read as u64;
+        if read > 0 && self.first.is_none() {
+            self.first = Some((now, read));
+        }
+        if read >= total {
+            self.last = Some(now);
+        }
+    }
+
+    /// Messages read after the first sample that saw any, and the seconds
+    /// from it to the sample that saw them all; `None` if either is missing
+    /// or they are the same sample.
+    fn figures(self, total: u64) -> Option<(u64, f64)> {
+        let ((t0, read0), t1) = (self.first?, self.last?);
+        (t1 > t0).then(|| (total.saturating_sub(read0), (t1 - t0).as_secs_f64()))
     }
 }
 
@@ -133,11 +199,11 @@ pub(super) fn measure(
         &log_path,
         watch,
     )?;
-    let times = tally
+    let pass = tally
         .until_caught_up(&marks, Some(&log_path))
         .map_err(|error| error.context(format!("see {}", log_path.display())))?;
     let after = Usage::take(&mut conn, &env.broker_pid)?;
-    let mut measured = tally.backlog_figures(&before, &after, total, times);
+    let mut measured = tally.backlog_figures(&before, &after, total, pass);
     let rate = latency
         .rate
         .unwrap_or_else(|| latency.rate_for(measured.rate()));
@@ -198,11 +264,11 @@ pub(super) fn measure_backlog(
     let before = Usage::take(&mut conn, &env.broker_pid)?;
     let log_path = env.dir.join(format!("{name}.log"));
     let mut tally = TallyRun::start(env, topic, (name, name), variant.args, &log_path, watch)?;
-    let times = tally
+    let pass = tally
         .until_caught_up(&marks, Some(&log_path))
         .map_err(|error| error.context(format!("see {}", log_path.display())))?;
     let after = Usage::take(&mut conn, &env.broker_pid)?;
-    let mut measured = tally.backlog_figures(&before, &after, total, times);
+    let mut measured = tally.backlog_figures(&before, &after, total, pass);
     measured.checked = Some(check_sample(&env.redis, name, truth)?);
     terminate(&mut tally.child);
     Ok(measured)
@@ -257,12 +323,13 @@ impl TallyRun {
     }
 
     /// [`FenceWatch::until_caught_up`] on this child, stopping it on failure.
-    fn until_caught_up(
-        &mut self,
-        marks: &[(i64, i64)],
-        log: Option<&Path>,
-    ) -> Result<(Instant, u64, Instant)> {
-        let caught_up = self.watch.until_caught_up(marks, &mut self.child, log);
+    /// With `log`, a pass over a backlog: also follows the messages the
+    /// child reads.
+    fn until_caught_up(&mut self, marks: &[(i64, i64)], log: Option<&Path>) -> Result<Pass> {
+        let metrics = log.is_some().then_some(self.metrics);
+        let caught_up = self
+            .watch
+            .until_caught_up(marks, &mut self.child, log, metrics);
         self.or_stop(caught_up)
     }
 
@@ -276,16 +343,11 @@ impl TallyRun {
     }
 
     /// The backlog's figures: the events applied from the start of consuming
-    /// (`times`, as [`FenceWatch::until_caught_up`] returns them) to the
+    /// (`pass`, as [`FenceWatch::until_caught_up`] returns it) to the
     /// last, and what Redis, the broker and the child used meanwhile, less
     /// the watch's own `MGET`s.
-    fn backlog_figures(
-        &self,
-        before: &Usage,
-        after: &Usage,
-        total: u64,
-        (t0, a0, t1): (Instant, u64, Instant),
-    ) -> Measured {
+    fn backlog_figures(&self, before: &Usage, after: &Usage, total: u64, pass: Pass) -> Measured {
+        let (t0, a0, t1) = (pass.started, pass.applied_then, pass.done);
         let mut calls = after.redis.delta(&before.redis);
         for (command, n) in &mut calls {
             if command == "mget" {
@@ -312,6 +374,7 @@ impl TallyRun {
             // assignment costs the main thread a few milliseconds.
             busiest_thread: busiest_thread(&self.pid)
                 .map(|(name, cpu)| (name, cpu / (t1 - t0).as_secs_f64().max(1e-9))),
+            reading: pass.reading,
         }
     }
 }
