@@ -6,11 +6,12 @@
 //! backlog is consumed when every fence has reached its partition's high
 //! watermark. One figure beside them comes from tally: the rate it read the
 //! backlog at (`tally_messages_read_total`), from its first message to its
-//! last, as the raw consumer is timed. The latency is from the broker's acknowledgement of a marker
-//! like to the moment a `GET` of the marker's counter key (polled every
-//! millisecond) shows it; the marker's likes all come from one user, so they
-//! share one partition, arrive in order and land in one key. The phase and its
-//! probe are shared with Kafka Streams ([`super::latency`]).
+//! last, as the raw consumer is timed. The latency is from the broker's
+//! acknowledgement of a marker like to the moment a `GET` of the marker's
+//! counter key (polled every millisecond) shows it; the marker's likes all
+//! come from one user, so they share one partition, arrive in order and land
+//! in one key. The phase and its probe are shared with Kafka Streams
+//! ([`super::latency`]).
 
 use std::fs::File;
 use std::net::SocketAddr;
