@@ -131,6 +131,18 @@ impl Batch {
             || self.deltas.len() + self.windows.len() >= limits.max_keys
     }
 
+    /// Messages that can still be added before a size limit is reached, when
+    /// each adds at most `keys_per_message` distinct counters and window
+    /// cells; 0 when the batch is full.
+    pub fn room(&self, limits: &Limits, keys_per_message: usize) -> usize {
+        let messages = limits.max_events.saturating_sub(self.messages);
+        let keys = limits
+            .max_keys
+            .saturating_sub(self.deltas.len() + self.windows.len())
+            / keys_per_message.max(1);
+        usize::try_from(messages).unwrap_or(usize::MAX).min(keys)
+    }
+
     /// How long the batch has been open.
     pub fn age(&self) -> std::time::Duration {
         self.opened_at
@@ -392,6 +404,38 @@ mod tests {
     }
 
     proptest! {
+        /// A reader takes `room` messages (at least one) at a time: the
+        /// batch fills at the last of them or not at all.
+        #[test]
+        fn a_batch_fills_only_at_the_last_message_its_room_allows(
+            max_events in 1u64..50,
+            max_keys in 1usize..60,
+            windows in 0usize..3,
+            posts in proptest::collection::vec((0u64..12, 0u32..3), 1..300),
+        ) {
+            let limits = Limits { max_events, max_keys };
+            let per_message = 1 + windows;
+            let mut batch = Batch::new();
+            let mut posts = posts.into_iter();
+            let mut offset = 0;
+            while !batch.is_full(&limits) {
+                let room = batch.room(&limits, per_message).max(1);
+                for _ in 0..room {
+                    prop_assert!(!batch.is_full(&limits), "full before the run's end");
+                    let Some((post, bucket)) = posts.next() else {
+                        return Ok(());
+                    };
+                    batch.add(0, offset, id(post, bucket), 1);
+                    for size in 0..windows {
+                        let cell = WindowCell { size: size as u8, start: 0, post_id: post };
+                        batch.add_window(cell, 1);
+                    }
+                    offset += 1;
+                }
+            }
+            prop_assert_eq!(batch.room(&limits, per_message), 0);
+        }
+
         #[test]
         fn batch_sums_equal_a_naive_sum(events in proptest::collection::vec((1u64..20, any::<u64>(), any::<bool>()), 1..300), buckets in 1u32..64) {
             let mut batch = Batch::new();

@@ -101,7 +101,7 @@ const TAGS: i64 = 128;
 /// The seed of (post, user) hashes, so they never meet keyed ids.
 const PAIR_SEED: u64 = 0x7a11_7a11_0dd5_eed5;
 
-/// A record's keys in the window's table (see [`Window::prepare`]).
+/// A record's keys in the window's table (see [`Window::keys`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Keys {
     id: Option<Key>,
@@ -172,30 +172,35 @@ impl Window {
         like: &Like,
         id: Option<EventId>,
     ) -> Option<Skip> {
-        let keys = self.prepare(like, id);
+        let keys = self.keys(like, id);
         self.decide(offset, timestamp_ms, keys)
     }
 
-    /// The record's keys, with the table slots they will be looked up in
-    /// already asked for: work done between this and [`Window::decide`]
-    /// (routing the record, say) overlaps the wait for memory, which is most
-    /// of what a full window costs a record.
-    pub fn prepare(&self, like: &Like, id: Option<EventId>) -> Keys {
+    /// The record's keys in the window's table. They depend on the record
+    /// and the mode alone, so keys taken before the window is restarted or
+    /// grows still decide the record after it.
+    pub fn keys(&self, like: &Like, id: Option<EventId>) -> Keys {
         let mode = self.settings.mode;
-        let keys = Keys {
+        Keys {
             id: id
                 .filter(|_| mode != DedupeMode::Off)
                 .map(|id| id_key(id, like)),
             pair: (mode == DedupeMode::IdsAndActions).then(|| pair_key(like)),
             liked: like.delta > 0,
-        };
-        for key in keys.id.iter().chain(keys.pair.iter()) {
-            self.table.touch(*key);
         }
-        keys
     }
 
-    /// Decides the record at `offset` whose keys [`Window::prepare`] gave,
+    /// Asks for the table slots `keys` will be looked up in, without waiting
+    /// for them. A record's lookup is a wait for memory (its slots lie
+    /// anywhere in tens of megabytes), and the waits of a run of records
+    /// overlap when each is asked for before the first is decided.
+    pub fn prefetch(&self, keys: &Keys) {
+        for key in keys.id.iter().chain(keys.pair.iter()) {
+            self.table.prefetch(*key);
+        }
+    }
+
+    /// Decides the record at `offset` whose keys [`Window::keys`] gave,
     /// and remembers it. `None`: it counts.
     pub fn decide(&mut self, offset: i64, timestamp_ms: i64, keys: Keys) -> Option<Skip> {
         self.pass(offset);

@@ -529,16 +529,19 @@ impl Pipeline {
                 let mut state = slot.lock();
                 match state.read_apart {
                     true => Intake::Dropped,
-                    false => intake::accept(
-                        &mut state,
-                        self.applier.keys().groups(),
-                        self.applier.keys().windows(),
-                        &message,
-                        timestamp,
-                        &self.table,
-                        &self.decoder,
-                        self.dead_letters.as_deref(),
-                    ),
+                    false => {
+                        let read = intake::read(&state, &self.decoder, &message, timestamp);
+                        intake::accept(
+                            &mut state,
+                            self.applier.keys().groups(),
+                            self.applier.keys().windows(),
+                            &message,
+                            timestamp,
+                            read,
+                            &self.table,
+                            self.dead_letters.as_deref(),
+                        )
+                    }
                 }
             }
             None => Intake::Dropped,

@@ -55,8 +55,8 @@ use crate::pipeline::aggregate::{Batch, WindowCell};
 use crate::pipeline::commit::Committer;
 use crate::pipeline::consume::Rebalanced;
 use crate::pipeline::dead_letter::{DeadLetter, DeadLetters, Pending};
-use crate::pipeline::decode::{Decoder, Like};
-use crate::pipeline::dedupe::{DedupeSettings, Window};
+use crate::pipeline::decode::{BadReason, Decoder, EventId, Like};
+use crate::pipeline::dedupe::{DedupeSettings, Keys, Window};
 use crate::pipeline::guard::{self, LogFit};
 
 /// A partition this consumer owns.
@@ -339,7 +339,37 @@ pub(super) fn apply_changes(
     Some(assigned)
 }
 
-/// Adds one message to its partition's batch.
+/// A message decoded ahead of its turn, with its dedupe window's memory
+/// already asked for (see [`read`]).
+pub(super) struct Read {
+    decoded: Result<(Like, Option<EventId>), BadReason>,
+    keys: Option<Keys>,
+}
+
+/// Decodes a message and asks for the slots of its partition's dedupe window
+/// it will be decided by, without waiting for them: a reader reads a run of
+/// messages this way before it takes the first, so their waits for memory
+/// overlap. Nothing of the partition's state changes: what the message does
+/// is decided by [`accept`], in offset order.
+pub(super) fn read(
+    state: &Owned,
+    decoder: &Decoder,
+    message: &BorrowedMessage<'_>,
+    timestamp: i64,
+) -> Read {
+    let decoded = decoder.identified(message.payload(), timestamp);
+    let keys = match (&decoded, state.window.as_ref()) {
+        (Ok((like, id)), Some(window)) => {
+            let keys = window.keys(like, *id);
+            window.prefetch(&keys);
+            Some(keys)
+        }
+        _ => None,
+    };
+    Read { decoded, keys }
+}
+
+/// Adds one message, read by [`read`], to its partition's batch.
 ///
 /// A message below the partition's next offset arrives only after a seek
 /// (dropped while it is pending; librdkafka discards what was fetched
@@ -353,8 +383,8 @@ pub(super) fn accept(
     windows: &Windows,
     message: &BorrowedMessage<'_>,
     timestamp: i64,
+    read: Read,
     routes: &RouteTable,
-    decoder: &Decoder,
     dead_letters: Option<&DeadLetters>,
 ) -> Intake {
     let partition = message.partition();
@@ -365,9 +395,10 @@ pub(super) fn accept(
     if state.next.is_some_and(|next| offset < next) {
         // Below the fences, the re-read that rebuilds the dedupe window.
         if let Some(window) = state.window.as_mut().filter(|w| w.expects(offset)) {
-            match decoder.identified(message.payload(), timestamp) {
+            match read.decoded {
                 Ok((like, id)) => {
-                    window.observe(offset, timestamp, &like, id);
+                    let keys = read.keys.unwrap_or_else(|| window.keys(&like, id));
+                    window.decide(offset, timestamp, keys);
                 }
                 Err(_) => window.pass(offset),
             }
@@ -384,15 +415,13 @@ pub(super) fn accept(
         let waited = (crate::domain::versions::wall_ms() - timestamp).max(0) as u64;
         metrics::stage("fetch", std::time::Duration::from_millis(waited));
     }
-    match decoder.identified(message.payload(), timestamp) {
+    match read.decoded {
         Ok((like, event_id)) => {
-            // The window's memory is asked for first, and waited for only
-            // after the record is routed.
             let keys = state
                 .window
                 .as_ref()
                 .filter(|w| w.expects(offset))
-                .map(|w| w.prepare(&like, event_id));
+                .map(|w| read.keys.unwrap_or_else(|| w.keys(&like, event_id)));
             let id = routes.counter_of(partition, offset, like.post_id, like.user_id, timestamp);
             let skip = match (keys, state.window.as_mut()) {
                 (Some(keys), Some(window)) => window.decide(offset, timestamp, keys),

@@ -41,7 +41,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::DRAIN_AT_MOST;
-use super::intake::{self, Intake, Owned, Slot};
+use super::intake::{self, Intake, Owned, Read, Slot};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
 use crate::infra::{metrics, tasks};
@@ -93,6 +93,11 @@ impl Reading {
         *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
     }
 }
+
+/// Messages a reader reads ahead of taking them: enough for the waits for
+/// their dedupe windows' memory to overlap, few enough that the first one's
+/// slots are still in cache when it is decided.
+const RUN: usize = 32;
 
 /// How long a refused seek waits before it is tried again (librdkafka
 /// refuses one while the partition's fetcher is still starting).
@@ -243,8 +248,10 @@ impl Reader {
     }
 
     /// Takes `first` and what the queue already holds after it, up to
-    /// [`DRAIN_AT_MOST`]; `false` when it stopped early (the batch filled,
-    /// or the ownership ended).
+    /// [`DRAIN_AT_MOST`], in runs of at most [`RUN`]: each run is read
+    /// (decoded, its dedupe window's memory asked for) before its first
+    /// message is taken. Returns `false` when it stopped early (the batch
+    /// filled, or the ownership ended).
     async fn take(
         &mut self,
         messages: &mut MessageStream<'_, TallyContext>,
@@ -252,53 +259,116 @@ impl Reader {
     ) -> bool {
         let view = self.reading.view();
         self.table = Some(view.watch.current());
+        // Each message can add a counter and a cell per window to the batch.
+        let keys_per_message = 1 + view.windows.sizes().len();
         let mut received = Some(first);
+        let mut run: Vec<(BorrowedMessage<'_>, i64)> = Vec::with_capacity(RUN);
+        let mut reads: Vec<Read> = Vec::with_capacity(RUN);
         let (mut taken, mut read) = (0, 0);
         let mut whole = true;
-        while let Some(result) = received.take() {
-            if self.slot.stop.is_cancelled() {
-                whole = false;
-                break;
-            }
-            taken += 1;
-            match result {
-                Ok(message) => {
-                    read += 1;
-                    if !self.one(&view, &message).await {
-                        whole = false;
+        loop {
+            // No more than the batch has room for: the batch can fill only
+            // at a run's last message, so nothing read is left over.
+            let room = {
+                let state = self.slot.lock();
+                state.batch.room(&self.reading.limits, keys_per_message)
+            };
+            let most = RUN.min(room.max(1)).min(DRAIN_AT_MOST - taken);
+            let mut failed = None;
+            while run.len() < most {
+                let Some(result) = received
+                    .take()
+                    .or_else(|| messages.next().now_or_never().flatten())
+                else {
+                    break;
+                };
+                taken += 1;
+                match result {
+                    Ok(message) => {
+                        let timestamp = message.timestamp().to_millis().unwrap_or(0);
+                        run.push((message, timestamp));
+                    }
+                    Err(error) => {
+                        // Sent after the messages before it are taken.
+                        failed = Some(error);
                         break;
                     }
                 }
-                Err(error) => {
-                    let _ = self.reading.events.send(Event::Failed(error));
+            }
+            let ran_dry = run.len() < most && failed.is_none();
+            read += run.len();
+            {
+                let state = self.slot.lock();
+                let decoder = &self.reading.decoder;
+                reads.extend(run.iter().map(|(message, timestamp)| {
+                    intake::read(&state, decoder, message, *timestamp)
+                }));
+            }
+            let mut left = run.drain(..).zip(reads.drain(..));
+            for ((message, timestamp), message_read) in left.by_ref() {
+                if self.slot.stop.is_cancelled()
+                    || !self.one(&view, &message, timestamp, message_read).await
+                {
+                    whole = false;
+                    break;
                 }
+            }
+            if let Some(((unread, _), _)) = left.next() {
+                self.read_again(unread.offset());
+            }
+            drop(left);
+            if let Some(error) = failed {
+                let _ = self.reading.events.send(Event::Failed(error));
+            }
+            if !whole || ran_dry {
+                break;
             }
             if taken == DRAIN_AT_MOST {
                 whole = false;
                 break;
             }
-            received = messages.next().now_or_never().flatten();
         }
         metrics::messages_read(read);
         whole
     }
 
-    /// Takes one message; `false` when the reader is to stop taking.
-    async fn one(&mut self, view: &View, message: &BorrowedMessage<'_>) -> bool {
+    /// A run stopped before `offset`, its first message not taken: unless
+    /// the ownership ended or the consumer is already sent elsewhere, the
+    /// consumer goes back to it, so no message is passed over. The run's
+    /// length keeps the batch from filling before its end; this is the
+    /// guard, not the way.
+    fn read_again(&self, offset: i64) {
+        if self.slot.stop.is_cancelled() {
+            return;
+        }
+        let mut state = self.slot.lock();
+        if state.pending_seek.is_none() && state.next == Some(offset) {
+            state.seek_to(offset);
+        }
+    }
+
+    /// Takes one message, read by [`intake::read`]; `false` when the reader
+    /// is to stop taking.
+    async fn one(
+        &mut self,
+        view: &View,
+        message: &BorrowedMessage<'_>,
+        timestamp: i64,
+        read: Read,
+    ) -> bool {
         let partition = self.partition;
         let offset = message.offset();
-        let timestamp = message.timestamp().to_millis().unwrap_or(0);
         let mut table = self.table.take().unwrap_or_else(|| view.watch.current());
         let reading = &self.reading;
-        let take = |state: &mut Owned, table: &RouteTable| {
+        let take = |state: &mut Owned, table: &RouteTable, read: Read| {
             let intake = intake::accept(
                 state,
                 &view.groups,
                 &view.windows,
                 message,
                 timestamp,
+                read,
                 table,
-                &reading.decoder,
                 reading.dead_letters.as_deref(),
             );
             (intake, state.batch.is_full(&reading.limits))
@@ -309,18 +379,21 @@ impl Reader {
             let mut state = self.slot.lock();
             let waits = intake::decides(&state, offset)
                 && table.readiness_of(partition, offset, timestamp) != Readiness::Ready;
-            (!waits).then(|| take(&mut state, &table))
+            match waits {
+                true => Err(read),
+                false => Ok(take(&mut state, &table, read)),
+            }
         };
         let (intake, full) = match taken {
-            Some(taken) => taken,
-            None => {
+            Ok(taken) => taken,
+            Err(read) => {
                 let mut watch = view.watch.clone();
                 let cluster = view.groups.is_cluster();
                 table = tokio::select! {
                     _ = self.slot.stop.cancelled() => return false,
                     table = watch.route_for(partition, offset, timestamp, cluster) => table,
                 };
-                take(&mut self.slot.lock(), &table)
+                take(&mut self.slot.lock(), &table, read)
             }
         };
         self.table = Some(table);
