@@ -16,6 +16,11 @@
 //!   messages, so every message below it has been taken (see
 //!   `Pipeline::dispatch`, which sends the offsets up to it that held no
 //!   message);
+//! * a message read ahead (decoded, its dedupe slots prefetched) is taken in
+//!   its turn or the consumer is sent back to it: a run of messages read
+//!   ahead never holds more than the batch has room for, and a reader that
+//!   stops inside one (its batch filled after all) seeks to the first
+//!   message it left, so nothing fetched is passed over;
 //! * a reader never waits for another partition, nor makes one wait: it
 //!   holds only its own partition's state, stops taking when its batch is
 //!   full until the main loop has sent it, and yields its thread after each
