@@ -269,7 +269,7 @@ impl Reader {
         let mut received = Some(first);
         let mut run: Vec<(BorrowedMessage<'_>, i64)> = Vec::with_capacity(RUN);
         let mut reads: Vec<Read> = Vec::with_capacity(RUN);
-        let (mut taken, mut read) = (0, 0);
+        let (mut taken, mut messages_read) = (0, 0);
         let mut whole = true;
         loop {
             // No more than the batch has room for: the batch can fill only
@@ -301,7 +301,7 @@ impl Reader {
                 }
             }
             let ran_dry = run.len() < most && failed.is_none();
-            read += run.len();
+            messages_read += run.len();
             {
                 let state = self.slot.lock();
                 let decoder = &self.reading.decoder;
@@ -333,7 +333,7 @@ impl Reader {
                 break;
             }
         }
-        metrics::messages_read(read);
+        metrics::messages_read(messages_read);
         whole
     }
 
