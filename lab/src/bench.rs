@@ -143,9 +143,10 @@ pub struct BenchConfig {
     pub tally_args: Vec<String>,
 
     /// Another `tally run` to measure on each backlog, as its arguments in one string;
-    /// repeatable: --variant "--buckets 16". It reads the same backlog as the defaults, before
-    /// them, and its row shows the backlog's figures (no latency phase), so each setting's
-    /// effect sits beside the defaults.
+    /// repeatable: --variant "--buckets 16". The defaults and every variant read the backlog
+    /// twice, in the order defaults, variants, variants in reverse, defaults; their rows show
+    /// the backlog's figures (no latency phase), and a variant's ratio to the defaults takes
+    /// both passes of each, so each setting's effect sits beside the defaults.
     #[arg(long = "variant", value_name = "ARGS", allow_hyphen_values = true)]
     pub variants: Vec<String>,
 
@@ -396,6 +397,26 @@ impl Measured {
     }
 }
 
+/// The `--variant` runs of one workload, each against the defaults measured
+/// beside it. Backlog passes run in the order: the defaults, every variant,
+/// every variant again in reverse, the defaults again; so each variant's two
+/// passes sit as near the defaults' two as each other's, and a slow stretch
+/// of the machine weighs on both sides of a ratio alike.
+struct Variants {
+    /// `tally run` with the measured arguments: the first pass and the last.
+    defaults: [Measured; 2],
+    /// Each variant's arguments and its two passes.
+    runs: Vec<(String, [Measured; 2])>,
+}
+
+impl Variants {
+    /// A run's events/s against the defaults': both passes of each side.
+    fn rate_ratio(&self, passes: &[Measured; 2]) -> f64 {
+        let sum = |m: &[Measured; 2]| m[0].rate() + m[1].rate();
+        sum(passes) / sum(&self.defaults).max(1e-9)
+    }
+}
+
 /// Everything measured on one workload.
 struct Outcome {
     title: String,
@@ -405,8 +426,8 @@ struct Outcome {
     naive: Measured,
     pipelined: Measured,
     tally: Measured,
-    /// `--variant` runs: their arguments and backlog figures.
-    variants: Vec<(String, Measured)>,
+    /// `--variant` runs and the defaults beside them, when any was asked for.
+    variants: Option<Variants>,
     /// The pipelined naive consumer and `tally run` on the backlog again, each
     /// into a prefix whose counters exist ([`present`]).
     present: (Measured, Measured),
@@ -625,18 +646,49 @@ fn workload(
     let pipelined = measure(Baseline::NaivePipelined, false)?;
     let pipelined_present = measure(Baseline::NaivePipelined, true)?;
     // The backlog-only runs go first, while the topic holds the backlog alone.
-    let mut variants = Vec::new();
-    for (i, args) in config.variants.iter().enumerate() {
-        eprintln!("{name}: tally run {args}...");
-        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
-        let run = tally_run::Variant {
-            name: format!("{name}-v{i}"),
-            args: &args,
-            present: false,
-        };
-        let measured = tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)?;
-        variants.push((args.join(" "), measured));
-    }
+    let variants = match config.variants.is_empty() {
+        true => None,
+        false => {
+            let pass = |label: String, args: &[String]| {
+                let shown = match args.is_empty() {
+                    true => "with the measured arguments".to_string(),
+                    false => args.join(" "),
+                };
+                eprintln!("{name}: tally run {shown}, backlog pass {label}...");
+                let run = tally_run::Variant {
+                    name: format!("{name}-{label}"),
+                    args,
+                    present: false,
+                };
+                tally_run::measure_backlog(env, &topic, &run, config.partitions, &truth)
+            };
+            let args: Vec<Vec<String>> = config
+                .variants
+                .iter()
+                .map(|a| a.split_whitespace().map(String::from).collect())
+                .collect();
+            let first = pass("d1".into(), &env.tally_args)?;
+            let mut firsts = Vec::new();
+            for (i, a) in args.iter().enumerate() {
+                firsts.push(pass(format!("v{i}-1"), a)?);
+            }
+            let mut seconds = Vec::new();
+            for (i, a) in args.iter().enumerate().rev() {
+                seconds.push(pass(format!("v{i}-2"), a)?);
+            }
+            seconds.reverse();
+            let last = pass("d2".into(), &env.tally_args)?;
+            let runs = args
+                .iter()
+                .zip(firsts.into_iter().zip(seconds))
+                .map(|(a, (one, two))| (a.join(" "), [one, two]))
+                .collect();
+            Some(Variants {
+                defaults: [first, last],
+                runs,
+            })
+        }
+    };
     let valkey = match &env.valkey {
         Some((url, version)) => {
             let on_valkey = env.on_store(url);

@@ -9,7 +9,7 @@ use anyhow::Result;
 use super::hotkeys::HotKeys;
 use super::services::store_version;
 use super::tally_run::HOT_KEY_SECS;
-use super::{BenchConfig, Env, Measured, Outcome};
+use super::{BenchConfig, Env, Measured, Outcome, Variants};
 use crate::markdown::{header, ratio, shell_line, thousands, today_utc};
 use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE_ABOVE};
 
@@ -194,13 +194,20 @@ fn table(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fmt::Resul
     if let Some(streams) = &o.streams {
         row(out, super::streams::LABEL, &streams.measured, "")?;
     }
-    for (args, measured) in &o.variants {
-        row(
-            out,
-            &format!("tally run ({args}), backlog only"),
-            measured,
-            "",
-        )?;
+    if let Some(variants) = &o.variants {
+        for (pass, measured) in variants.defaults.iter().enumerate() {
+            let label = format!(
+                "{label_tally}, backlog only, beside the variants, pass {}",
+                pass + 1
+            );
+            row(out, &label, measured, "")?;
+        }
+        for (args, passes) in &variants.runs {
+            for (pass, measured) in passes.iter().enumerate() {
+                let label = format!("tally run ({args}), backlog only, pass {}", pass + 1);
+                row(out, &label, measured, "")?;
+            }
+        }
     }
     let (naive, tally) = &o.present;
     let label = "naive, pipelined per poll batch, counters present";
@@ -231,6 +238,53 @@ fn reading(tally: &Measured, raw: &Measured) -> String {
     }
 }
 
+/// Each variant against the naive pipelined consumer and against the
+/// defaults' backlog passes beside it ([`Variants`]).
+fn variant_ratios(
+    out: &mut String,
+    variants: &Variants,
+    versus: &dyn Fn(&Measured, &Measured) -> String,
+    pipelined: &Measured,
+) -> std::fmt::Result {
+    for (args, passes) in &variants.runs {
+        writeln!(
+            out,
+            "tally ({args}) / naive pipelined, first pass: {}.  ",
+            versus(&passes[0], pipelined)
+        )?;
+    }
+    let [d1, d2] = &variants.defaults;
+    for (args, passes) in &variants.runs {
+        let [v1, v2] = passes;
+        let mean = |f: fn(&Measured) -> Option<f64>, a: &Measured, b: &Measured| {
+            Some((f(a)? + f(b)?) / 2.0)
+        };
+        let extra = match (
+            mean(Measured::calls_per_event, v1, v2),
+            mean(Measured::calls_per_event, d1, d2),
+        ) {
+            (Some(a), Some(b)) => format!("{:+.4}", a - b),
+            _ => "–".into(),
+        };
+        let cpu = match (
+            mean(Measured::consumer_cpu_per_million, v1, v2),
+            mean(Measured::consumer_cpu_per_million, d1, d2),
+        ) {
+            (Some(a), Some(b)) => ratio(a, b),
+            _ => "–".into(),
+        };
+        writeln!(
+            out,
+            "tally ({args}) / tally (defaults), on the same backlog, two passes each (defaults, variants, variants in reverse, defaults): \
+             events/s **{}** (pass 1 {}, pass 2 {}), Redis calls per event {extra}, consumer CPU per event **{cpu}**.  ",
+            ratio(variants.rate_ratio(passes), 1.0),
+            ratio(v1.rate(), d1.rate()),
+            ratio(v2.rate(), d2.rate()),
+        )?;
+    }
+    Ok(())
+}
+
 /// tally's figures as multiples of the raw and the naive consumers'.
 fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
     let versus = |tally: &Measured, naive: &Measured| {
@@ -255,31 +309,8 @@ fn comparison(out: &mut String, o: &Outcome) -> std::fmt::Result {
         versus(&o.tally, &o.naive),
         versus(&o.tally, &o.pipelined),
     )?;
-    for (args, measured) in &o.variants {
-        writeln!(
-            out,
-            "tally ({args}) / naive pipelined: {}.  ",
-            versus(measured, &o.pipelined)
-        )?;
-    }
-    for (args, measured) in &o.variants {
-        let extra = match (measured.calls_per_event(), o.tally.calls_per_event()) {
-            (Some(a), Some(b)) => format!("{:+.4}", a - b),
-            _ => "–".into(),
-        };
-        writeln!(
-            out,
-            "tally ({args}) / tally (defaults), on the same backlog: events/s **{}**, Redis calls per event {extra}, \
-             consumer CPU per event **{}**.  ",
-            ratio(measured.rate(), o.tally.rate()),
-            match (
-                measured.consumer_cpu_per_million(),
-                o.tally.consumer_cpu_per_million()
-            ) {
-                (Some(a), Some(b)) => ratio(a, b),
-                _ => "–".into(),
-            },
-        )?;
+    if let Some(variants) = &o.variants {
+        variant_ratios(out, variants, &versus, &o.pipelined)?;
     }
     if let Some((version, naive, tally)) = &o.valkey {
         writeln!(
