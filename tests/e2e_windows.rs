@@ -467,7 +467,17 @@ fn verify_and_rebuild_reach_the_live_windows() {
                 .count()
         })
         .sum();
-    let reported = metric_value(&scrape_metrics(&metrics), "tally_window_late_likes_total");
+    // The metric counts a batch's late likes after its script returns, so it
+    // may trail the fences the wait above read: give it a few seconds to
+    // catch up, then require the exact figure (a count past it fails too).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reported = loop {
+        let reported = metric_value(&scrape_metrics(&metrics), "tally_window_late_likes_total");
+        if reported >= Some(late as f64) || Instant::now() > deadline {
+            break reported;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert_eq!(reported, Some(late as f64));
     assert!(late > 0, "no late like in the workload");
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
