@@ -46,10 +46,11 @@ const USER_MASK: u64 = 0xff;
 /// table is made, and memory is faulted in only for the slots in use: a
 /// table that doubles takes the next slots of the same mapping, so what a
 /// window has ever touched is its largest size, not the sum of the sizes
-/// it went through. (Fresh memory is the dearer part: on a virtual machine
-/// the host backs each page at its first touch, and in a profile of a
-/// backlog applied with `ids-and-actions` zeroing the pages of tables made
-/// at each doubling took 5 % of tally's CPU.)
+/// it went through: half as much, for a window that stops growing where a
+/// new one would have been made. (Faulting fresh pages in is the kernel
+/// zeroing them; in a profile of a backlog applied with `ids-and-actions`
+/// it took 4–5 % of tally's CPU, and how fast it goes depends on the host,
+/// see docs/benchmarks.md.)
 ///
 /// A huge page needs a whole aligned 2 MiB of the mapping, so a table of at
 /// least that size is mapped with 2 MiB more address space than it needs
