@@ -64,16 +64,12 @@ impl EventId {
         EventId(xxhash_rust::xxh3::xxh3_128(bytes))
     }
 
-    /// The id bound to the event it names: one id with another post, user or
-    /// action names another event, so a producer that reuses ids across
-    /// events loses none of them.
-    pub fn keyed(self, like: &Like) -> u128 {
-        let mut bytes = [0u8; 33];
-        bytes[..16].copy_from_slice(&self.0.to_le_bytes());
-        bytes[16..24].copy_from_slice(&like.post_id.to_le_bytes());
-        bytes[24..32].copy_from_slice(&like.user_id.to_le_bytes());
-        bytes[32] = (like.delta > 0) as u8;
-        xxhash_rust::xxh3::xxh3_128(&bytes)
+    /// The id bound to the event it names, given a 64-bit hash of what
+    /// else names the event (its post, user and action): one id with
+    /// another post, user or action names another event, so a producer that
+    /// reuses ids across events loses none of them.
+    pub fn keyed(self, event_seed: u64) -> u128 {
+        xxhash_rust::xxh3::xxh3_128_with_seed(&self.0.to_le_bytes(), event_seed)
     }
 }
 
