@@ -352,6 +352,11 @@ struct Measured {
     /// The consumer's busiest thread while it read the backlog: its name
     /// and the share of one core it used.
     busiest_thread: Option<(String, f64)>,
+    /// The share of the machine's cores busy (every process, not only the
+    /// consumer) over the span its events/s are timed on: the raw and naive
+    /// consumers' first message to their last, tally's assignment to its
+    /// last script.
+    machine_busy: Option<f64>,
     /// tally only: messages it read from its first message to the backlog's
     /// last, and the seconds between (`tally_messages_read_total`), timed as
     /// the raw consumer is.

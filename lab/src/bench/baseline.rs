@@ -18,7 +18,9 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rustc_hash::FxHashMap;
 
-use super::services::{RedisSnapshot, busiest_thread, cpu_secs, peak_rss_kib, redis_conn};
+use super::services::{
+    RedisSnapshot, busiest_thread, busy_share, cpu_secs, machine_ticks, peak_rss_kib, redis_conn,
+};
 use super::{BaselineArgs, Env, Measured, check_sample};
 use tally::domain::routing::{CounterId, KeyLayout, bucket_of};
 use tally::infra::config::{
@@ -59,7 +61,9 @@ async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<(
 
 /// Runs one baseline until it has handled `--events` messages (or, for the
 /// naive ones, `--naive-max-secs` have passed since its first message) and
-/// prints `events= secs= rss_kib= cpu_secs=` on stdout.
+/// prints `events= secs= rss_kib= cpu_secs= machine_busy=` on stdout (the
+/// last: the share of the machine's cores busy from its first message on,
+/// -1 when unknown).
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
     let store = crate::local::store(&config.redis, &config.prefix)?;
@@ -91,11 +95,15 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let cap = Duration::from_secs(config.naive_max_secs);
     let mut handled = 0u64;
     let mut first: Option<Instant> = None;
+    let mut ticks_at_first = None;
     let mut key = String::with_capacity(64);
     let mut next_offsets: FxHashMap<i32, i64> = FxHashMap::default();
     while handled < config.events {
         let message = consumer.recv().await?;
-        let began = *first.get_or_insert_with(Instant::now);
+        let began = *first.get_or_insert_with(|| {
+            ticks_at_first = machine_ticks();
+            Instant::now()
+        });
         if kind != Baseline::Raw && began.elapsed() >= cap {
             break;
         }
@@ -137,11 +145,12 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
         }
     }
     let secs = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let busy = busy_share(ticks_at_first, machine_ticks()).unwrap_or(-1.0);
     let rss = peak_rss_kib("self").unwrap_or(0);
     let cpu = cpu_secs("self").unwrap_or(0.0);
     let (thread, thread_cpu) = busiest_thread("self").unwrap_or_default();
     println!(
-        "events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2} busiest_cpu_secs={thread_cpu:.2} busiest_thread={}",
+        "events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2} machine_busy={busy:.4} busiest_cpu_secs={thread_cpu:.2} busiest_thread={}",
         thread.replace(char::is_whitespace, "_")
     );
     Ok(())
@@ -233,6 +242,7 @@ pub(super) fn measure(
         } else {
             None
         },
+        machine_busy: field("machine_busy").filter(|busy| *busy >= 0.0),
         reading: None,
     })
 }

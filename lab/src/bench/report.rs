@@ -15,19 +15,33 @@ use tally::infra::config::{DEFAULT_BUCKETS, DEFAULT_HOT_BUCKETS, DEFAULT_PROMOTE
 
 /// What bounds both consumers' backlog rates: each one's busiest thread
 /// and the share of a core it used (a share near 100 % is a thread that
-/// cannot go faster).
+/// cannot go faster), and how busy the machine's cores were (near 100 %,
+/// every process shares cores that cannot do more).
 fn busiest(tally: &Measured, raw: &Measured) -> String {
-    let (Some((tally_name, tally_share)), Some((raw_name, raw_share))) =
+    let mut out = String::new();
+    if let (Some((tally_name, tally_share)), Some((raw_name, raw_share))) =
         (&tally.busiest_thread, &raw.busiest_thread)
-    else {
-        return String::new();
-    };
-    format!(
-        "; busiest thread while reading the backlog: tally's `{tally_name}` at {:.0} % of a core, \
-         raw's `{raw_name}` at {:.0} %",
-        tally_share * 100.0,
-        raw_share * 100.0
-    )
+    {
+        out = format!(
+            "; busiest thread while reading the backlog: tally's `{tally_name}` at {:.0} % of a core, \
+             raw's `{raw_name}` at {:.0} %",
+            tally_share * 100.0,
+            raw_share * 100.0
+        );
+    }
+    if let (Some(tally_busy), Some(raw_busy)) = (tally.machine_busy, raw.machine_busy) {
+        out += &format!(
+            "; the machine's cores busy (every process) {} during tally's pass, {} during raw's",
+            percent(tally_busy),
+            percent(raw_busy)
+        );
+    }
+    out
+}
+
+/// A share as a whole percentage.
+fn percent(share: f64) -> String {
+    format!("{:.0} %", share * 100.0)
 }
 
 fn row(out: &mut String, label: &str, m: &Measured, note: &str) -> std::fmt::Result {
@@ -273,10 +287,14 @@ fn variant_ratios(
             (Some(a), Some(b)) => ratio(a, b),
             _ => "–".into(),
         };
+        let busy = [d1, v1, v2, d2]
+            .map(|m| m.machine_busy.map_or_else(|| "–".into(), percent))
+            .join(", ");
         writeln!(
             out,
             "tally ({args}) / tally (defaults), on the same backlog, two passes each (defaults, variants, variants in reverse, defaults): \
-             events/s **{}** (pass 1 {}, pass 2 {}), Redis calls per event {extra}, consumer CPU per event **{cpu}**.  ",
+             events/s **{}** (pass 1 {}, pass 2 {}), Redis calls per event {extra}, consumer CPU per event **{cpu}**; \
+             the machine's cores busy (every process) {busy} (defaults pass 1, variant pass 1, variant pass 2, defaults pass 2).  ",
             ratio(variants.rate_ratio(passes), 1.0),
             ratio(v1.rate(), d1.rate()),
             ratio(v2.rate(), d2.rate()),

@@ -122,6 +122,29 @@ pub fn cpu_secs(pid: &str) -> Option<f64> {
     cpu_of_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
+/// Ticks every core has spent busy, and ticks in all, so far (the first
+/// line of `/proc/stat`: user, nice, system, irq, softirq and steal are
+/// busy; idle and iowait are not).
+pub fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    let tick = |i: usize| fields.get(i).copied().unwrap_or(0);
+    let busy = tick(0) + tick(1) + tick(2) + tick(5) + tick(6) + tick(7);
+    Some((busy, busy + tick(3) + tick(4)))
+}
+
+/// The share of the machine's cores busy between two [`machine_ticks`].
+pub fn busy_share(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((busy0, all0), (busy1, all1)) = (before?, after?);
+    (all1 > all0).then(|| busy1.saturating_sub(busy0) as f64 / (all1 - all0) as f64)
+}
+
 /// The thread of process `pid` that has used the most CPU, as its name and
 /// its CPU seconds (user + system, `/proc/PID/task/*/stat`).
 pub fn busiest_thread(pid: &str) -> Option<(String, f64)> {
@@ -220,4 +243,18 @@ pub(super) fn seal(brokers: &str, topic: &str, truth: &mut FxHashMap<u64, i64>) 
     producer.flush(Duration::from_secs(30))?;
     *truth.entry(SEAL_POST).or_insert(0) += i64::from(partitions);
     Ok(u64::from(partitions))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_busy_share_is_busy_ticks_over_all_ticks_between_two_readings() {
+        assert_eq!(busy_share(Some((10, 100)), Some((60, 200))), Some(0.5));
+        assert_eq!(busy_share(Some((10, 100)), Some((10, 100))), None);
+        assert_eq!(busy_share(None, Some((10, 100))), None);
+        let (busy, all) = machine_ticks().expect("/proc/stat is readable on Linux");
+        assert!(busy <= all && all > 0, "busy {busy} of {all} ticks");
+    }
 }

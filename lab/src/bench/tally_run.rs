@@ -24,7 +24,8 @@ use rustc_hash::FxHashMap;
 
 use super::latency::{Latency, MARKER_POST, MARKER_USER, Probe, timed_phase};
 use super::services::{
-    RedisSnapshot, busiest_thread, cpu_secs, peak_rss_kib, redis_conn, terminate, watermarks,
+    RedisSnapshot, busiest_thread, busy_share, cpu_secs, machine_ticks, peak_rss_kib, redis_conn,
+    terminate, watermarks,
 };
 use super::{Env, Measured, check_sample, hotkeys, stages};
 use crate::local::free_port;
@@ -78,6 +79,7 @@ impl FenceWatch {
     ) -> Result<Pass> {
         let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
         let mut first: Option<(Instant, u64)> = None;
+        let mut ticks_at_start = None;
         let mut reads = metrics.map(Reads::new);
         let (mut last_progress, mut last_applied) = (Instant::now(), u64::MAX);
         loop {
@@ -92,6 +94,7 @@ impl FenceWatch {
                 });
                 if assigned || applied > 0 {
                     first = Some((now, applied));
+                    ticks_at_start = machine_ticks();
                 }
             }
             if applied >= total {
@@ -100,6 +103,7 @@ impl FenceWatch {
                     started,
                     applied_then,
                     done: now,
+                    machine_busy: busy_share(ticks_at_start, machine_ticks()),
                     reading: reads.and_then(|reads| reads.figures(total)),
                 });
             }
@@ -126,6 +130,8 @@ struct Pass {
     applied_then: u64,
     /// When every fence reached its high watermark.
     done: Instant,
+    /// The share of the machine's cores busy from `started` to `done`.
+    machine_busy: Option<f64>,
     /// Messages read from the first to the backlog's last, and the seconds between.
     reading: Option<(u64, f64)>,
 }
@@ -375,6 +381,7 @@ impl TallyRun {
             // assignment costs the main thread a few milliseconds.
             busiest_thread: busiest_thread(&self.pid)
                 .map(|(name, cpu)| (name, cpu / (t1 - t0).as_secs_f64().max(1e-9))),
+            machine_busy: pass.machine_busy,
             reading: pass.reading,
         }
     }
