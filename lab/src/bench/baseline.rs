@@ -61,9 +61,9 @@ async fn record_layout(store: &StoreSettings, config: &BaselineArgs) -> Result<(
 
 /// Runs one baseline until it has handled `--events` messages (or, for the
 /// naive ones, `--naive-max-secs` have passed since its first message) and
-/// prints `events= secs= rss_kib= cpu_secs= machine_busy=` on stdout (the
-/// last: the share of the machine's cores busy from its first message on,
-/// -1 when unknown).
+/// prints `events= secs= rss_kib= cpu_secs=` on stdout, and `machine_busy=`
+/// (the share of the machine's cores busy from its first message on) when
+/// `/proc/stat` gave it.
 pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
     let kind = config.baseline;
     let store = crate::local::store(&config.redis, &config.prefix)?;
@@ -145,12 +145,13 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
         }
     }
     let secs = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    let busy = busy_share(ticks_at_first, machine_ticks()).unwrap_or(-1.0);
+    let busy = busy_share(ticks_at_first, machine_ticks())
+        .map_or_else(String::new, |busy| format!(" machine_busy={busy:.4}"));
     let rss = peak_rss_kib("self").unwrap_or(0);
     let cpu = cpu_secs("self").unwrap_or(0.0);
     let (thread, thread_cpu) = busiest_thread("self").unwrap_or_default();
     println!(
-        "events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2} machine_busy={busy:.4} busiest_cpu_secs={thread_cpu:.2} busiest_thread={}",
+        "events={handled} secs={secs:.6} rss_kib={rss} cpu_secs={cpu:.2}{busy} busiest_cpu_secs={thread_cpu:.2} busiest_thread={}",
         thread.replace(char::is_whitespace, "_")
     );
     Ok(())
@@ -242,7 +243,7 @@ pub(super) fn measure(
         } else {
             None
         },
-        machine_busy: field("machine_busy").filter(|busy| *busy >= 0.0),
+        machine_busy: field("machine_busy"),
         reading: None,
     })
 }

@@ -23,10 +23,10 @@ fn busiest(tally: &Measured, raw: &Measured) -> String {
         (&tally.busiest_thread, &raw.busiest_thread)
     {
         out = format!(
-            "; busiest thread while reading the backlog: tally's `{tally_name}` at {:.0} % of a core, \
-             raw's `{raw_name}` at {:.0} %",
-            tally_share * 100.0,
-            raw_share * 100.0
+            "; busiest thread while reading the backlog: tally's `{tally_name}` at {} of a core, \
+             raw's `{raw_name}` at {}",
+            percent(*tally_share),
+            percent(*raw_share)
         );
     }
     if let (Some(tally_busy), Some(raw_busy)) = (tally.machine_busy, raw.machine_busy) {

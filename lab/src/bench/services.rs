@@ -122,10 +122,12 @@ pub fn cpu_secs(pid: &str) -> Option<f64> {
     cpu_of_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-/// Ticks every core has spent busy, and ticks in all, so far (the first
-/// line of `/proc/stat`: user, nice, system, irq, softirq and steal are
-/// busy; idle and iowait are not).
-pub fn machine_ticks() -> Option<(u64, u64)> {
+/// Ticks every core has spent busy, and ticks in all.
+pub type Ticks = (u64, u64);
+
+/// The machine's [`Ticks`] so far (the first line of `/proc/stat`: user,
+/// nice, system, irq, softirq and steal are busy; idle and iowait are not).
+pub fn machine_ticks() -> Option<Ticks> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let fields: Vec<u64> = stat
         .lines()
@@ -140,7 +142,7 @@ pub fn machine_ticks() -> Option<(u64, u64)> {
 }
 
 /// The share of the machine's cores busy between two [`machine_ticks`].
-pub fn busy_share(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+pub fn busy_share(before: Option<Ticks>, after: Option<Ticks>) -> Option<f64> {
     let ((busy0, all0), (busy1, all1)) = (before?, after?);
     (all1 > all0).then(|| busy1.saturating_sub(busy0) as f64 / (all1 - all0) as f64)
 }

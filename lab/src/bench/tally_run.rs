@@ -24,8 +24,8 @@ use rustc_hash::FxHashMap;
 
 use super::latency::{Latency, MARKER_POST, MARKER_USER, Probe, timed_phase};
 use super::services::{
-    RedisSnapshot, busiest_thread, busy_share, cpu_secs, machine_ticks, peak_rss_kib, redis_conn,
-    terminate, watermarks,
+    RedisSnapshot, Ticks, busiest_thread, busy_share, cpu_secs, machine_ticks, peak_rss_kib,
+    redis_conn, terminate, watermarks,
 };
 use super::{Env, Measured, check_sample, hotkeys, stages};
 use crate::local::free_port;
@@ -78,8 +78,9 @@ impl FenceWatch {
         metrics: Option<SocketAddr>,
     ) -> Result<Pass> {
         let total: u64 = marks.iter().map(|&(low, high)| (high - low) as u64).sum();
-        let mut first: Option<(Instant, u64)> = None;
-        let mut ticks_at_start = None;
+        // When consuming started, the messages applied then, and the
+        // machine's ticks then.
+        let mut first: Option<(Instant, u64, Option<Ticks>)> = None;
         let mut reads = metrics.map(Reads::new);
         let (mut last_progress, mut last_applied) = (Instant::now(), u64::MAX);
         loop {
@@ -93,17 +94,16 @@ impl FenceWatch {
                     std::fs::read_to_string(log).is_ok_and(|t| t.contains("Partitions assigned"))
                 });
                 if assigned || applied > 0 {
-                    first = Some((now, applied));
-                    ticks_at_start = machine_ticks();
+                    first = Some((now, applied, machine_ticks()));
                 }
             }
             if applied >= total {
-                let (started, applied_then) = first.unwrap_or((now, applied));
+                let (started, applied_then, ticks) = first.unwrap_or((now, applied, None));
                 return Ok(Pass {
                     started,
                     applied_then,
                     done: now,
-                    machine_busy: busy_share(ticks_at_start, machine_ticks()),
+                    machine_busy: busy_share(ticks, machine_ticks()),
                     reading: reads.and_then(|reads| reads.figures(total)),
                 });
             }
