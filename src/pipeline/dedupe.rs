@@ -55,9 +55,11 @@
 //! in one flat table ([`fingerprints`]) of eight bytes an entry, tagged with
 //! the block they were last seen in. Entering a block drops the entries of
 //! the block that left the window, so every entry the table holds is in the
-//! window. A full window costs at most 22 bytes per remembered record (two
-//! entries at a load of at least `1 / LOAD` of the table's full size, over a
-//! window at least eight blocks long), and nothing is allocated per entry.
+//! window. A full window costs at most 24 bytes per remembered record (one
+//! entry a record with `ids`, two with `ids-and-actions`, in a table sized
+//! for nine blocks and filled to at most [`IDS_LOAD`] or
+//! [`IDS_AND_ACTIONS_LOAD`], over a window at least eight blocks long), and
+//! nothing is allocated per entry.
 //! Two keys are confused when their hashes agree on the fingerprint and the
 //! full-size home, 44 + log2(slots) bits: docs/design.md gives the chance.
 
@@ -100,6 +102,15 @@ const LIVE: usize = BLOCKS as usize + 1;
 const TAGS: i64 = 128;
 /// The seed of (post, user) hashes, so they never meet keyed ids.
 const PAIR_SEED: u64 = 0x7a11_7a11_0dd5_eed5;
+/// How full a window's table may grow before it doubles, by mode. An
+/// insertion walks to the end of the run of entries it lands in, and the
+/// runs shorten fast as the load falls, so each mode fills its table as
+/// little as the memory a remembered record may cost (24 bytes) allows: a
+/// record of `ids` leaves one entry (18 bytes at 0.5), one of
+/// `ids-and-actions` two (23.1 bytes at 0.78), on a table sized for
+/// [`LIVE`] blocks of which [`BLOCKS`] are always remembered.
+const IDS_LOAD: f64 = 0.5;
+const IDS_AND_ACTIONS_LOAD: f64 = 0.78;
 
 /// A record's keys in the window's table (see [`Window::keys`]).
 #[derive(Debug, Clone, Copy)]
@@ -136,17 +147,17 @@ impl Window {
     /// An empty window that expects records from `from` on, or from the first
     /// one it is shown when `from` is `None`.
     pub fn new(settings: DedupeSettings, from: Option<i64>) -> Self {
-        let per_record = match settings.mode {
-            DedupeMode::Off => 0,
-            DedupeMode::Ids => 1,
-            DedupeMode::IdsAndActions => 2,
+        let (per_record, load) = match settings.mode {
+            DedupeMode::Off => (0, fingerprints::LOAD),
+            DedupeMode::Ids => (1, IDS_LOAD),
+            DedupeMode::IdsAndActions => (2, IDS_AND_ACTIONS_LOAD),
         };
         let offsets = settings.block_len() as usize * LIVE;
         Window {
             settings,
             next: from,
             block: None,
-            table: Fingerprints::new(per_record * offsets),
+            table: Fingerprints::new(per_record * offsets, load),
             blocks: [BlockStats::default(); LIVE],
             newest_ms: 0,
         }
@@ -576,24 +587,28 @@ mod tests {
     }
 
     #[test]
-    fn a_full_window_costs_at_most_22_bytes_a_record() {
-        // Every record with an id of its own and a pair of its own: two
-        // entries each, the most a record costs.
+    fn a_full_window_costs_at_most_24_bytes_a_record() {
+        // Every record with an id of its own and a pair of its own: the
+        // most entries a record of each mode leaves.
         let span = 80_000u64;
-        let mut window = Window::new(settings(DedupeMode::IdsAndActions, span), Some(0));
-        let mut most = 0.0f64;
-        for offset in 0..3 * span as i64 {
-            let n = offset as u64;
-            let verdict = window.observe(offset, 0, &like(1 + n % 997, n, 1), Some(id(n)));
-            assert_eq!(verdict, None);
-            if offset >= span as i64 && offset % 997 == 0 {
-                let per = window.heap_bytes() as f64 / window.len() as f64;
-                most = most.max(per);
+        for (mode, bound) in [(DedupeMode::Ids, 18.5), (DedupeMode::IdsAndActions, 24.0)] {
+            let mut window = Window::new(settings(mode, span), Some(0));
+            let mut most = 0.0f64;
+            for offset in 0..3 * span as i64 {
+                let n = offset as u64;
+                let verdict = window.observe(offset, 0, &like(1 + n % 997, n, 1), Some(id(n)));
+                assert_eq!(verdict, None);
+                if offset >= span as i64 && offset % 997 == 0 {
+                    let per = window.heap_bytes() as f64 / window.len() as f64;
+                    most = most.max(per);
+                }
             }
+            println!(
+                "{mode:?}: heap bytes per remembered record, full window of {span}: at most {most:.2}"
+            );
+            assert!(most <= bound, "{mode:?}: {most}");
+            assert_eq!(window.forgotten(), 0);
         }
-        println!("heap bytes per remembered record, full window of {span}: at most {most:.2}");
-        assert!(most <= 22.0, "{most}");
-        assert_eq!(window.forgotten(), 0);
     }
 
     /// Two keys whose hashes agree on the full-size home and on the top 32

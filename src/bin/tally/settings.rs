@@ -241,8 +241,8 @@ pub struct RunArgs {
     /// The dedupe window, in offsets of a partition: a record is compared with the records
     /// of at least this many offsets before it (up to an eighth more: the window moves in
     /// eighths). Each assignment re-reads the window below the fence (twice that with
-    /// ids-and-actions), and each partition remembers its records in about 21 bytes each
-    /// (docs/design.md sizes it).
+    /// ids-and-actions), and each partition remembers its records in about 18 bytes each
+    /// with ids, 23 with ids-and-actions (docs/design.md sizes it).
     #[arg(long, env = "TALLY_DEDUPE_WINDOW", value_name = "OFFSETS", default_value_t = DEFAULT_WINDOW, help_heading = DEDUPE)]
     pub dedupe_window: u64,
 

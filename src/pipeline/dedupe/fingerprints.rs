@@ -25,7 +25,8 @@
 pub(super) const FP_BITS: u32 = 44;
 /// Halvings below its full size a table starts at.
 const LEVELS: u32 = 4;
-/// The most a table is filled before it doubles.
+/// The most a table may be filled before it doubles, when its owner asks
+/// for no less ([`Fingerprints::new`]).
 pub(super) const LOAD: f64 = 0.85;
 /// The farthest an entry may lie from its home (8 bits).
 const MAX_DISTANCE: u64 = 255;
@@ -140,20 +141,31 @@ pub(super) struct Fingerprints {
     full: usize,
     /// Halvings below the full size the table is at now.
     level: u32,
+    /// The most the table is filled before it doubles, at most [`LOAD`].
+    load: f64,
+    /// Entries beyond which an insertion doubles the table first: `load`
+    /// of its size now.
+    grow_at: usize,
     /// Entries dropped because they would lie too far from their home.
     forgotten: u64,
 }
 
 impl Fingerprints {
-    /// A table that holds up to `most` keys within [`LOAD`].
-    pub(super) fn new(most: usize) -> Self {
+    /// A table that holds up to `most` keys filled to at most `load` (taken
+    /// down to [`LOAD`] when above it). An insertion walks to the end of the
+    /// run of entries it lands in, and those runs shorten fast as the load
+    /// falls: about twenty slots at 0.85, two or three at 0.5.
+    pub(super) fn new(most: usize, load: f64) -> Self {
+        let load = load.min(LOAD);
         let unit = 1usize << LEVELS;
-        let full = ((most as f64 / LOAD).ceil() as usize).div_ceil(unit).max(1) * unit;
+        let full = ((most as f64 / load).ceil() as usize).div_ceil(unit).max(1) * unit;
         Fingerprints {
             slots: Slots::reserve(full, full >> LEVELS),
             len: 0,
             full,
             level: LEVELS,
+            load,
+            grow_at: grow_at(load, full >> LEVELS),
             forgotten: 0,
         }
     }
@@ -220,7 +232,7 @@ impl Fingerprints {
             distance += 1;
         }
         let entry = (ident << IDENT_SHIFT) | u64::from(byte);
-        if self.level > 0 && (self.len + 1) as f64 > LOAD * size as f64 {
+        if self.level > 0 && self.len + 1 > self.grow_at {
             self.grow();
             self.insert(full_home >> self.level, 0, entry);
         } else {
@@ -284,7 +296,13 @@ impl Fingerprints {
         let size = self.slots.len();
         self.slots.extend(size * 2);
         self.level -= 1;
-        let home_of = |at: usize, entry: u64| (at + size - distance_of(entry) as usize) % size;
+        self.grow_at = grow_at(self.load, size * 2);
+        // An entry lies at most MAX_DISTANCE past its home, wrapping round
+        // at most once: one subtraction, not a division, finds its home.
+        let home_of = |at: usize, entry: u64| {
+            let home = at + size - distance_of(entry) as usize;
+            if home >= size { home - size } else { home }
+        };
         let slots: &mut [u64] = &mut self.slots;
         let mut end = (2 * (MAX_DISTANCE as usize + 1)).min(size);
         while end < size && slots[end] != 0 {
@@ -394,6 +412,11 @@ impl Fingerprints {
     }
 }
 
+/// The entries a table of `size` slots holds at `load`.
+fn grow_at(load: f64, size: usize) -> usize {
+    (load * size as f64) as usize
+}
+
 fn distance_of(entry: u64) -> u64 {
     (entry & DISTANCE_MASK) >> DISTANCE_SHIFT
 }
@@ -417,7 +440,7 @@ mod tests {
         fn the_table_answers_as_a_map_does(
             ops in prop::collection::vec((0u64..300, 0u8..4, any::<bool>()), 0..2_000),
         ) {
-            let mut table = Fingerprints::new(400);
+            let mut table = Fingerprints::new(400, LOAD);
             let mut model: HashMap<u64, u8> = HashMap::new();
             for (n, byte, drop_some) in ops {
                 if drop_some && n % 50 == 0 {
@@ -442,7 +465,7 @@ mod tests {
         let most = 12_000;
         for set in 0..40u64 {
             let key = |n: u64| key(set << 32 | n);
-            let mut table = Fingerprints::new(most);
+            let mut table = Fingerprints::new(most, LOAD);
             let mut model: HashMap<u64, u8> = HashMap::new();
             for n in 0..(most as u64 * 3 / 2) {
                 let byte = (n % 5) as u8;
@@ -476,7 +499,7 @@ mod tests {
     #[test]
     fn a_cluster_wrapped_round_the_end_survives_doubling() {
         let most = 12_000;
-        let mut table = Fingerprints::new(most);
+        let mut table = Fingerprints::new(most, LOAD);
         let size = table.slots.len();
         let last = |n: &u64| table.full_home(key(*n)) >> LEVELS >= size - 4;
         let wrapped: Vec<u64> = (1_000_000..).filter(last).take(16).collect();
@@ -505,7 +528,7 @@ mod tests {
     #[test]
     fn a_full_size_table_stays_within_its_load() {
         let most = 100_000;
-        let mut table = Fingerprints::new(most);
+        let mut table = Fingerprints::new(most, LOAD);
         for n in 0..most as u64 {
             assert_eq!(table.upsert(key(n), 1), None);
         }

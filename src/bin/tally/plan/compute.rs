@@ -376,7 +376,7 @@ mod tests {
             table.contains("Dedupe window (1,000,000 offsets a partition)"),
             "{table}"
         );
-        assert!(table.contains("21 MB"), "{table}");
+        assert!(table.contains("23 MB"), "{table}");
     }
 
     #[test]
