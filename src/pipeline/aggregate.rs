@@ -176,8 +176,9 @@ impl Batch {
             .drain()
             .filter(|&(_, delta)| delta != 0)
             .collect();
-        // By window, so that each window's set is one run of its members.
-        windows.sort_unstable();
+        // By window, so that each window's set is one run of its members;
+        // then by delta, so that the script takes equal deltas as one run.
+        windows.sort_unstable_by_key(|&(cell, delta)| (cell.size, cell.start, delta, cell.post_id));
         let closed = ClosedBatch {
             start,
             last: self.last,
@@ -291,7 +292,8 @@ pub struct ClosedBatch {
     pub late: u64,
     /// Non-zero net deltas, sorted by delta, then counter.
     pub deltas: Vec<(CounterId, i64)>,
-    /// Non-zero net deltas per post and window, sorted by window, then post.
+    /// Non-zero net deltas per post and window, sorted by window, then
+    /// delta, then post.
     pub windows: Vec<(WindowCell, i64)>,
 }
 

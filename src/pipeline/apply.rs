@@ -202,15 +202,22 @@ fn window_key_arguments(cmd: &mut Cmd, key: &mut String, keys: &KeyLayout, prepa
 }
 
 /// The window section's arguments: for each set, its expiry and its
-/// (member, delta) pairs.
+/// members in runs of one delta (`delta`, `n`, then the `n` members). Any
+/// order is right; a set sorted by delta (as batches close) makes the
+/// fewest runs, and most window deltas of a batch are +1.
 fn window_arguments(cmd: &mut Cmd, keys: &KeyLayout, prepared: &Prepared) {
     let rules = keys.windows();
     for set in prepared.window_sets() {
         let cell = set[0].0;
         let size = rules.sizes()[usize::from(cell.size)];
-        cmd.arg(rules.expires_at(size, cell.start)).arg(set.len());
-        for &(cell, delta) in set {
-            cmd.arg(&windows::member(cell.post_id)[..]).arg(delta);
+        let runs = set.chunk_by(|a, b| a.1 == b.1);
+        cmd.arg(rules.expires_at(size, cell.start))
+            .arg(runs.clone().count());
+        for run in runs {
+            cmd.arg(run[0].1).arg(run.len());
+            for &(cell, _) in run {
+                cmd.arg(&windows::member(cell.post_id)[..]);
+            }
         }
     }
 }

@@ -8,8 +8,9 @@
 --                    the leaders' floor, 1 when absent), then its leaders,
 --                    the sorted set <prefix>:top:<size>:<start>[:{tag}]
 -- ARGV[at..]         after the counters' arguments, for each window in KEYS
---                    order: expire_at (ms since the epoch), m, then m pairs
---                    (member, delta)
+--                    order: expire_at (ms since the epoch), r, then r runs,
+--                    each a delta, n, and the n members it is added to (a
+--                    batch's window deltas are mostly +1: one argument a post)
 --
 -- The leaders hold exactly the posts whose count is at least the floor,
 -- each scored with its count. A write keeps that true: a count that reaches
@@ -17,7 +18,10 @@
 -- When the leaders pass LEADERS_CAP members, the floor rises to the count
 -- of the LEADERS_KEEP-th and every post below it leaves them, so the sorted
 -- set (each write to it a walk of its skiplist) stays small while every
--- post's count stays in the hash.
+-- post's count stays in the hash. A call's leaders enter or move with one
+-- ZADD and leave with one ZREM per ZSET_CHUNK posts: every command a script
+-- calls costs the server its dispatch (lookup, ACL check, timing), about as
+-- much as a write to a small sorted set.
 --
 -- Every key is checked before the script's first write: one of another type,
 -- or a floor that is not an integer, is refused like a bad counter. A post's
@@ -28,17 +32,62 @@
 -- nothing.
 
 local LEADERS_CAP, LEADERS_KEEP = 4000, 2000
+-- Members of one ZADD or ZREM: well within what unpack puts on the stack.
+local ZSET_CHUNK = 1000
 
--- Whether argv[at..] holds whole pairs for each of the w windows, to its end.
+local function whole_count(v)
+  local n = tonumber(v)
+  return n and n >= 0 and n % 1 == 0 and n
+end
+
+-- Whether argv[at..] holds whole runs for each of the w windows, to its end.
 local function windows_shaped(argv, at, w)
+  local last = #argv
   for _ = 1, w do
-    local m = tonumber(argv[at + 1])
-    if not tonumber(argv[at]) or not m or m < 0 or m % 1 ~= 0 then
+    local r = whole_count(argv[at + 1])
+    if not tonumber(argv[at]) or not r then
       return false
     end
-    at = at + 2 + 2 * m
+    at = at + 2
+    for _ = 1, r do
+      local n = whole_count(argv[at + 1])
+      if at + 1 > last or not tonumber(argv[at]) or not n then
+        return false
+      end
+      at = at + 2 + n
+    end
   end
-  return at == #argv + 1
+  return at == last + 1
+end
+
+-- Takes back every window count added from the arguments before argv[stop]
+-- (the window section starting at argv[at], its first counts at KEYS[first]).
+local function undo_windows(keys, argv, at, first, stop)
+  local a = at
+  for k = first, #keys, 2 do
+    local runs = tonumber(argv[a + 1])
+    a = a + 2
+    for _ = 1, runs do
+      local delta, n = tonumber(argv[a]), tonumber(argv[a + 1])
+      a = a + 2
+      for _ = 1, n do
+        if a >= stop then
+          return
+        end
+        if redis.call('HINCRBY', keys[k], argv[a], -delta) == 0 then
+          redis.call('HDEL', keys[k], argv[a])
+        end
+        a = a + 1
+      end
+    end
+  end
+end
+
+-- Sends cmd with key and the values of list in calls of at most `chunk` of them.
+local function call_chunked(cmd, key, list, n, chunk)
+  for i = 1, n, chunk do
+    redis.call(cmd, key, unpack(list, i, math.min(i + chunk - 1, n)))
+  end
 end
 
 -- NOPERM for a window command the caller lacks, {4, fence, i, error} for a
@@ -87,56 +136,56 @@ end
 local function apply_windows(keys, argv, at, w, floors)
   local pcall, kind = redis.pcall, type
   local first = #keys - 2 * w + 1
-  local counted = {}
+  local counted, c = {}, 0
   local a = at
   for k = first, #keys, 2 do
-    local counts, m = keys[k], tonumber(argv[a + 1])
+    local counts, runs = keys[k], tonumber(argv[a + 1])
     a = a + 2
-    for _ = 1, m do
-      local member, delta = argv[a], argv[a + 1]
-      local count = pcall('HINCRBY', counts, member, delta)
-      if kind(count) == 'table' then
-        -- Back over every count added so far, in every window before this one.
-        local b = at
-        for j = first, k, 2 do
-          local n = tonumber(argv[b + 1])
-          b = b + 2
-          for _ = 1, n do
-            if b == a then
-              break
-            end
-            if redis.call('HINCRBY', keys[j], argv[b], -tonumber(argv[b + 1])) == 0 then
-              redis.call('HDEL', keys[j], argv[b])
-            end
-            b = b + 2
-          end
-        end
-        return {k, count.err, member}
-      end
-      counted[#counted + 1] = count
+    for _ = 1, runs do
+      local delta, n = argv[a], tonumber(argv[a + 1])
       a = a + 2
+      for _ = 1, n do
+        local member = argv[a]
+        local count = pcall('HINCRBY', counts, member, delta)
+        if kind(count) == 'table' then
+          undo_windows(keys, argv, at, first, a)
+          return {k, count.err, member}
+        end
+        c = c + 1
+        counted[c] = count
+        a = a + 1
+      end
     end
   end
-  local c = 0
+  c = 0
   for k = first, #keys, 2 do
     local counts, leaders = keys[k], keys[k + 1]
-    local expire_at, m = argv[at], tonumber(argv[at + 1])
+    local expire_at, runs = argv[at], tonumber(argv[at + 1])
     local floor = floors[k]
+    local moved, m, left, l = {}, 0, {}, 0
     at = at + 2
-    for _ = 1, m do
-      local member, delta = argv[at], argv[at + 1]
-      c = c + 1
-      local count = counted[c]
-      if count == 0 then
-        redis.call('HDEL', counts, member)
-      end
-      if count >= floor then
-        redis.call('ZADD', leaders, count, member)
-      elseif count - delta >= floor then
-        redis.call('ZREM', leaders, member)
-      end
+    for _ = 1, runs do
+      local delta, n = tonumber(argv[at]), tonumber(argv[at + 1])
       at = at + 2
+      for _ = 1, n do
+        local member = argv[at]
+        c = c + 1
+        local count = counted[c]
+        if count == 0 then
+          redis.call('HDEL', counts, member)
+        end
+        if count >= floor then
+          moved[m + 1], moved[m + 2] = count, member
+          m = m + 2
+        elseif count - delta >= floor then
+          l = l + 1
+          left[l] = member
+        end
+        at = at + 1
+      end
     end
+    call_chunked('ZADD', leaders, moved, m, 2 * ZSET_CHUNK)
+    call_chunked('ZREM', leaders, left, l, ZSET_CHUNK)
     if redis.call('ZCARD', leaders) > LEADERS_CAP then
       local kept = redis.call('ZREVRANGE', leaders, LEADERS_KEEP - 1, LEADERS_KEEP - 1, 'WITHSCORES')
       local raised = tonumber(kept[2])
