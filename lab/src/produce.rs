@@ -209,6 +209,8 @@ pub struct Summary {
     pub truth: FxHashMap<u64, i64>,
     /// When each marker like was acknowledged, in partition (hence count) order.
     pub marker_acks: Vec<Instant>,
+    /// When each marker like was handed to the producer, in the same order.
+    pub marker_sends: Vec<Instant>,
 }
 
 /// Delivery-report state, shared with librdkafka's callback.
@@ -223,7 +225,7 @@ struct Acks {
 impl Acks {
     /// The outcome of `sent` events over `elapsed`, taking the truth and the
     /// marker times out of the shared state.
-    fn summary(&self, sent: u64, elapsed: Duration) -> Summary {
+    fn summary(&self, sent: u64, elapsed: Duration, marker_sends: Vec<Instant>) -> Summary {
         Summary {
             sent,
             acked: self.acked.load(Ordering::Relaxed),
@@ -233,6 +235,7 @@ impl Acks {
             marker_acks: std::mem::take(
                 &mut *self.marker_acks.lock().unwrap_or_else(|e| e.into_inner()),
             ),
+            marker_sends,
         }
     }
 }
@@ -301,11 +304,11 @@ pub fn send(
 ) -> Result<Summary> {
     let producer = producer(brokers, extra, plan.marker.map(|m| m.post_id))?;
     check_topic(&producer, brokers, topic)?;
-    let (sent, started) = send_events(&producer, brokers, topic, plan, stop, bar)?;
+    let (sent, started, marker_sends) = send_events(&producer, brokers, topic, plan, stop, bar)?;
     await_acks(&producer, sent, bar);
     let elapsed = started.elapsed();
     bar.finish_and_clear();
-    let summary = producer.context().summary(sent, elapsed);
+    let summary = producer.context().summary(sent, elapsed, marker_sends);
     if summary.acked + summary.failed < sent {
         bail!(
             "{} of {sent} events still unacknowledged after 120 s; is the broker at {brokers} alive?",
@@ -362,7 +365,8 @@ fn check_topic(producer: &BaseProducer<Acks>, brokers: &str, topic: &str) -> Res
 }
 
 /// Hands `plan`'s events to the producer, held to its rate, until it ends or
-/// `stop` is set; returns how many were sent and when sending began.
+/// `stop` is set; returns how many were sent, when sending began, and when
+/// each marker like was handed over.
 fn send_events(
     producer: &BaseProducer<Acks>,
     brokers: &str,
@@ -370,8 +374,9 @@ fn send_events(
     plan: &Plan,
     stop: &AtomicBool,
     bar: &ProgressBar,
-) -> Result<(u64, Instant)> {
+) -> Result<(u64, Instant, Vec<Instant>)> {
     let mut traffic = Traffic::new(plan.shape.clone(), plan.seed);
+    let mut marker_sends = Vec::new();
     let started = Instant::now();
     // Event ids are unique across runs as well: this run's start, then a sequence.
     let run = SystemTime::now()
@@ -391,11 +396,14 @@ fn send_events(
             }
         }
         let event = match plan.marker {
-            Some(m) if sent % m.every == m.every - 1 => Generated {
-                post_id: m.post_id,
-                user_id: m.user_id,
-                action: Action::Like,
-            },
+            Some(m) if sent % m.every == m.every - 1 => {
+                marker_sends.push(Instant::now());
+                Generated {
+                    post_id: m.post_id,
+                    user_id: m.user_id,
+                    action: Action::Like,
+                }
+            }
             _ => traffic.next_event(),
         };
         id.clear();
@@ -407,7 +415,7 @@ fn send_events(
             bar.set_position(sent);
         }
     }
-    Ok((sent, started))
+    Ok((sent, started, marker_sends))
 }
 
 /// Queues one event with its `event_id`, stamped now and keyed by its user,

@@ -1,6 +1,9 @@
 //! The latency phase: events produced at a fixed rate with a marker post among them, each
-//! marker like timed from the broker's acknowledgement to the moment its count is visible, for
-//! tally and for the Kafka Streams peer alike.
+//! marker like timed from the moment it is handed to the producer to the moment its count is
+//! visible, for tally and for the Kafka Streams peer alike. (Timed from the broker's
+//! acknowledgement instead, a like could look visible before it was produced: on a machine
+//! with no core to spare the producer thread serves its delivery reports late, and in some runs
+//! half the markers were seen counted before their acknowledgement was.)
 //!
 //! The marker's likes all come from one user ([`MARKER_USER`]), so they share one partition
 //! and arrive in order. A [`Probe`] notes when each becomes visible: for tally, a `GET` of the
@@ -23,7 +26,7 @@ use super::services::{redis_conn, seal};
 use crate::produce::{Marker, Plan, Summary, progress_bar, send};
 use tally_lab::generate::TrafficShape;
 
-/// Produce-acknowledged-to-visible latency of the marker post.
+/// Produce-to-visible latency of the marker post.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Latency {
     /// Median, milliseconds.
@@ -163,7 +166,7 @@ impl OutputWatch {
 }
 
 /// Produces at `rate` for `secs` with a marker post, and returns the marker's
-/// produce-acknowledged-to-visible latency, as `probe` sees it.
+/// produce-to-visible latency, as `probe` sees it.
 pub(super) fn timed_phase(
     env: &Env,
     topic: &str,
@@ -216,11 +219,18 @@ pub(super) fn timed_phase(
         *truth.entry(*post).or_insert(0) += delta;
     }
     let sealed = seal(&env.brokers, topic, truth)?;
+    if summary.marker_sends.len() != summary.marker_acks.len() {
+        bail!(
+            "{} of {} marker likes were acknowledged: with one lost, a marker's count cannot be paired with its send",
+            summary.marker_acks.len(),
+            summary.marker_sends.len()
+        );
+    }
     let mut ms: Vec<f64> = summary
-        .marker_acks
+        .marker_sends
         .iter()
         .zip(&visible)
-        .map(|(acked, seen)| seen.saturating_duration_since(*acked).as_secs_f64() * 1e3)
+        .map(|(sent, seen)| seen.saturating_duration_since(*sent).as_secs_f64() * 1e3)
         .collect();
     if ms.len() < summary.marker_acks.len() {
         bail!(

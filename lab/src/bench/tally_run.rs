@@ -509,7 +509,7 @@ pub(super) fn settled_watermarks(
 pub(super) const HOT_KEY_SECS: u64 = 5;
 
 /// Produces at `rate` for `secs` with a marker post, and returns the marker's
-/// produce-acknowledged-to-visible latency, read from tally's counter key.
+/// produce-to-visible latency, read from tally's counter key.
 fn latency_phase(
     env: &Env,
     topic: &str,
