@@ -3,8 +3,9 @@
 //! a post brought to zero leaves its window's counts; both keys of a window
 //! expire at its end plus the retention; the leaders hold exactly the posts
 //! at the floor or above, through a rising floor and unlikes below it; and a
-//! window key of another type, or a count in it that is not a number,
-//! refuses the whole call and leaves nothing written.
+//! window key of another type, a count in it that is not a number, or a
+//! window section whose runs do not add up refuses the whole call and leaves
+//! nothing written.
 
 mod common;
 
@@ -376,5 +377,67 @@ fn the_floor_rises_past_the_cap_and_the_leaders_follow_every_count() {
         );
         let leaders: usize = conn.zcard(format!("t:top:1h:{hour}")).unwrap();
         assert!(leaders < LEADERS_KEEP, "{name}: {leaders} leaders");
+    }
+}
+
+/// A window section whose runs do not add up to its arguments (a run naming
+/// more members than follow, fewer runs than it counts, a count that is not
+/// a number, members left over) is refused before the first write.
+#[test]
+fn a_window_section_that_does_not_add_up_is_refused_and_writes_nothing() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let member = |post: u64| post.to_be_bytes().to_vec();
+    let far = (now_ms() + HOUR).to_string().into_bytes();
+    let arg = |s: &str| s.as_bytes().to_vec();
+    let sections: [Vec<Vec<u8>>; 4] = [
+        vec![
+            far.clone(),
+            arg("1"),
+            arg("1"),
+            arg("3"),
+            member(7),
+            member(8),
+        ],
+        vec![far.clone(), arg("2"), arg("1"), arg("1"), member(7)],
+        vec![far.clone(), arg("1"), arg("1"), arg("x"), member(7)],
+        vec![
+            far.clone(),
+            arg("1"),
+            arg("1"),
+            arg("1"),
+            member(7),
+            member(8),
+        ],
+    ];
+    for section in sections {
+        let mut call = redis::cmd("EVAL");
+        call.arg(tally::pipeline::apply::APPLY_LUA)
+            .arg(4)
+            .arg("t:fence")
+            .arg("t:likes:7:0")
+            .arg("t:win:1h:0")
+            .arg("t:top:1h:0")
+            .arg(0)
+            .arg(0)
+            .arg(-1)
+            .arg(1)
+            .arg(1)
+            .arg(1);
+        for a in &section {
+            call.arg(&a[..]);
+        }
+        let refused: redis::RedisResult<redis::Value> = call.query(&mut conn);
+        let error = refused.expect_err("a section that does not add up must be refused");
+        assert!(
+            error
+                .to_string()
+                .contains("the window section is not whole"),
+            "{error}"
+        );
+        assert!(
+            snapshot(&mut conn).is_empty(),
+            "nothing may be written: {section:?}"
+        );
     }
 }

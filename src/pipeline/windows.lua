@@ -51,7 +51,7 @@ local function windows_shaped(argv, at, w)
     at = at + 2
     for _ = 1, r do
       local n = whole_count(argv[at + 1])
-      if at + 1 > last or not tonumber(argv[at]) or not n then
+      if not tonumber(argv[at]) or not n then
         return false
       end
       at = at + 2 + n
