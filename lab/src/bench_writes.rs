@@ -307,8 +307,8 @@ fn bench_blocking(config: &BenchWritesConfig) -> Result<()> {
     Ok(())
 }
 
-/// The median of `values` (sorted in place).
-fn median(values: &mut [f64]) -> f64 {
+/// The median of `values` (sorted in place); NaN when there are none.
+pub(crate) fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
     if n == 0 {

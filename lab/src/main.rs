@@ -14,6 +14,7 @@
 //!               `tally-lab bench-baseline` children
 //! bench_reads   `tally serve` under wrk, against direct MGETs of the same keys
 //! bench_writes  what one counter write costs Redis: in apply.lua, in a transaction, pipelined
+//! bench_windows what a window of trending counts costs Redis per post, beside the counters
 //! bench_memory  what a counter costs Redis in memory and CPU per write, as a string or packed
 //! local         the private Apache Kafka node and redis-server the demo and the benchmarks start
 //! binaries      the `tally` binary and this one, as child processes with no TALLY_* inherited
@@ -33,6 +34,7 @@ use binaries::Tally;
 mod bench;
 mod bench_memory;
 mod bench_reads;
+mod bench_windows;
 mod bench_writes;
 mod binaries;
 mod demo;
@@ -64,6 +66,8 @@ enum Command {
     BenchReads(Box<bench_reads::BenchReadsConfig>),
     /// Measure what one counter write costs Redis: in apply.lua, in a transaction, pipelined.
     BenchWrites(Box<bench_writes::BenchWritesConfig>),
+    /// Measure what windows of trending counts cost Redis per post, beside the lifetime counters.
+    BenchWindows(Box<bench_windows::BenchWindowsConfig>),
     /// Measure what a counter costs Redis in memory and CPU per write, as strings and packed in hashes.
     BenchMemory(Box<bench_memory::BenchMemoryConfig>),
     /// One baseline consumer of `tally-lab bench`, run as its child process.
@@ -112,6 +116,7 @@ async fn dispatch(command: Command, tally_bin: Option<PathBuf>) -> anyhow::Resul
             bench_reads::bench_reads(*config, Tally::locate(tally_bin)?).await
         }
         Command::BenchWrites(config) => bench_writes::bench_writes(*config).await,
+        Command::BenchWindows(config) => bench_windows::bench_windows(*config).await,
         Command::BenchMemory(config) => bench_memory::bench_memory(*config).await,
         Command::BenchBaseline(args) => bench::baseline(*args).await,
     }

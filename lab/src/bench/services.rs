@@ -96,7 +96,7 @@ pub(super) fn store_version(url: &str) -> Result<String> {
 }
 
 /// The server behind `url` with its version: `redis-server 7.0.15`, `valkey-server 9.1.2`.
-pub(super) fn store_label(url: &str) -> Result<String> {
+pub(crate) fn store_label(url: &str) -> Result<String> {
     let mut conn = redis_conn(url)?;
     let server: String = redis::cmd("INFO").arg("server").query(&mut conn)?;
     let name = if server.contains("valkey_version:") {
