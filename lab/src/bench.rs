@@ -501,9 +501,7 @@ fn bench_blocking(config: BenchConfig, tally: Tally, dir: tempfile::TempDir) -> 
     let (_redis, redis) = start_redis(dir.path())?;
     let (_valkey, valkey) = match &config.valkey_server {
         Some(program) => {
-            let valkey_dir = dir.path().join("valkey");
-            std::fs::create_dir_all(&valkey_dir)?;
-            let (service, url) = local::start_store(program, &valkey_dir)?;
+            let (service, url) = local::start_store_in(program, dir.path(), "valkey")?;
             let version = services::store_version(&url)?;
             (Some(service), Some((url, version)))
         }

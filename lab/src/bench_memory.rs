@@ -40,7 +40,7 @@ use tally::pipeline::apply::{Prepared, ScriptBody, script_call, script_text};
 
 use crate::bench::services::RedisSnapshot;
 use crate::local::{Service, start_redis, start_store};
-use crate::markdown::{command_line, header, ratio, thousands, today_utc, write_between};
+use crate::markdown::{command_line, header, publish, ratio, thousands, today_utc};
 
 /// Settings of `tally-lab bench-memory`.
 #[derive(Debug, Clone, Args)]
@@ -238,11 +238,7 @@ fn bench_blocking(config: &BenchMemoryConfig) -> Result<()> {
         runs.push(run);
     }
     let report = render(config, &runs)?;
-    print!("{report}");
-    if let Some(path) = &config.out {
-        write_between(path, BEGIN, END, &report)?;
-        eprintln!("bench-memory: report written to {}", path.display());
-    }
+    publish("bench-memory", &report, config.out.as_deref(), BEGIN, END)?;
     Ok(())
 }
 

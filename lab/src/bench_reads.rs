@@ -48,7 +48,7 @@ use tally::read::Reader;
 use crate::bench::services::RedisSnapshot;
 use crate::binaries::Tally;
 use crate::local::{free_port, start_redis};
-use crate::markdown::{thousands, write_between};
+use crate::markdown::{publish, thousands};
 use clients::{Clients, Load, Programs};
 use sched::{Sched, Settled, Snapshot};
 
@@ -217,11 +217,7 @@ pub async fn bench_reads(config: BenchReadsConfig, tally: Tally) -> Result<()> {
     };
     let run = run.await.context("the measuring thread failed")??;
     let report = report::render(&config, &run)?;
-    print!("{report}");
-    if let Some(path) = &config.out {
-        write_between(path, BEGIN, END, &report)?;
-        progress(&format!("report written to {}", path.display()));
-    }
+    publish("bench-reads", &report, config.out.as_deref(), BEGIN, END)?;
     Ok(())
 }
 

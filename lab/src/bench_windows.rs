@@ -36,8 +36,8 @@ use tally_lab::generate::{Traffic, TrafficShape};
 
 use crate::bench::services::{RedisSnapshot, store_label};
 use crate::bench_writes::median;
-use crate::local::{start_redis, start_store};
-use crate::markdown::{command_line, header, thousands, today_utc, write_between};
+use crate::local::{start_redis, start_store_in};
+use crate::markdown::{command_line, header, publish, thousands, today_utc};
 
 /// Settings of `tally-lab bench-windows`.
 #[derive(Debug, Clone, Args)]
@@ -250,10 +250,8 @@ fn bench_blocking(config: &BenchWindowsConfig) -> Result<()> {
     let mut stores = vec![redis_url];
     let _valkey = match &config.valkey_server {
         Some(program) => {
-            let valkey_dir = dir.path().join("valkey");
-            std::fs::create_dir_all(&valkey_dir)?;
             eprintln!("bench-windows: starting {}", program.display());
-            let (service, url) = start_store(program, &valkey_dir)?;
+            let (service, url) = start_store_in(program, dir.path(), "valkey")?;
             stores.push(url);
             Some(service)
         }
@@ -264,11 +262,7 @@ fn bench_blocking(config: &BenchWindowsConfig) -> Result<()> {
         measured.push(measure(config, url)?);
     }
     let report = render(config, &measured)?;
-    print!("{report}");
-    if let Some(path) = &config.out {
-        write_between(path, BEGIN, END, &report)?;
-        eprintln!("bench-windows: report written to {}", path.display());
-    }
+    publish("bench-windows", &report, config.out.as_deref(), BEGIN, END)?;
     Ok(())
 }
 

@@ -35,7 +35,7 @@ use tally::pipeline::apply::APPLY_LUA;
 
 use crate::bench::services::RedisSnapshot;
 use crate::local::start_redis;
-use crate::markdown::{command_line, header, thousands, today_utc, write_between};
+use crate::markdown::{command_line, header, publish, thousands, today_utc};
 
 /// Settings of `tally-lab bench-writes`.
 #[derive(Debug, Clone, Args)]
@@ -299,11 +299,7 @@ fn bench_blocking(config: &BenchWritesConfig) -> Result<()> {
         .trim()
         .to_string();
     let report = render(config, &version, &figures)?;
-    print!("{report}");
-    if let Some(path) = &config.out {
-        write_between(path, BEGIN, END, &report)?;
-        eprintln!("bench-writes: report written to {}", path.display());
-    }
+    publish("bench-writes", &report, config.out.as_deref(), BEGIN, END)?;
     Ok(())
 }
 

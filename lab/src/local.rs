@@ -172,6 +172,15 @@ pub fn start_store(program: &Path, dir: &Path) -> Result<(Service, String)> {
     Ok((service, format!("redis://127.0.0.1:{port}/")))
 }
 
+/// Starts `program` as [`start_store`] does, its files in the directory
+/// `name` made inside `dir`: a second store beside the redis-server of
+/// [`start_redis`].
+pub fn start_store_in(program: &Path, dir: &Path, name: &str) -> Result<(Service, String)> {
+    let own = dir.join(name);
+    std::fs::create_dir_all(&own).with_context(|| format!("creating {}", own.display()))?;
+    start_store(program, &own)
+}
+
 /// The script that starts an Apache Kafka node: `TALLY_KAFKA_BROKER_SCRIPT`, else
 /// `scripts/kafka/broker` of the checkout this binary was built from (the demo and the
 /// benchmarks run from a checkout; scripts/demo and scripts/bench fetch the broker first).

@@ -21,6 +21,24 @@ pub fn write_between(path: &Path, begin: &str, end: &str, text: &str) -> Result<
     std::fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Prints a command's `report` and, with `--out`, writes it into `out`
+/// between `begin` and `end` (see [`write_between`]), saying so on stderr
+/// as `command` would.
+pub fn publish(
+    command: &str,
+    report: &str,
+    out: Option<&Path>,
+    begin: &str,
+    end: &str,
+) -> Result<()> {
+    print!("{report}");
+    if let Some(path) = out {
+        write_between(path, begin, end, report)?;
+        eprintln!("{command}: report written to {}", path.display());
+    }
+    Ok(())
+}
+
 /// This process's command line as a reader would type it again: `tally-lab` and its
 /// arguments (see [`shell_line`]).
 pub fn command_line() -> String {
