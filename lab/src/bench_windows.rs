@@ -182,16 +182,14 @@ impl Sender {
         let mut windows = Vec::with_capacity(cells.len() * case.windows.len());
         for (i, size) in self.layout.windows().sizes().iter().enumerate() {
             let start = size.start_of(now_ms);
+            let size = u8::try_from(i).expect("at most eight windows");
             windows.extend(cells.iter().map(|&(post_id, delta)| {
-                let size = u8::try_from(i).expect("at most eight windows");
-                (
-                    WindowCell {
-                        size,
-                        start,
-                        post_id,
-                    },
-                    delta,
-                )
+                let cell = WindowCell {
+                    size,
+                    start,
+                    post_id,
+                };
+                (cell, delta)
             }));
         }
         let prepared = Prepared {
