@@ -131,6 +131,9 @@ pub const TOPIC_COMPACTED: &str = "tally_topic_compacted";
 pub const GENERATION_POINTER_UNREADABLE: &str = "tally_generation_pointer_unreadable";
 /// Offsets a dedupe window should have re-read that retention had deleted.
 pub const DEDUPE_HISTORY_LOST: &str = "tally_dedupe_history_lost_offsets_total";
+/// Entries dedupe windows dropped: records whose repeats are no longer
+/// recognized, and whose verdicts another owner may not share.
+pub const DEDUPE_FORGOTTEN: &str = "tally_dedupe_forgotten_entries_total";
 /// Per partition, the age of the re-read running now (0 when none runs).
 pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
 /// Per partition, the offsets the running re-read has left below the fences
@@ -379,6 +382,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Offsets below a partition's fences that its dedupe window should have re-read at an assignment and that retention had deleted: a repeat of a record among them is not recognized and counts.",
     ),
     (
+        DEDUPE_FORGOTTEN,
+        Kind::Counter,
+        "Entries a dedupe window's table dropped because they would lie too far from their home slot, which only keys crafted to share one slot cause: a repeat of the record one held is not recognized and counts, and another owner of the partition may decide it otherwise.",
+    ),
+    (
         DEDUPE_WINDOWS_KEPT,
         Kind::Gauge,
         "Dedupe windows of partitions this consumer gave up, kept for 10 minutes so that a partition coming back re-reads only the offsets applied since; with the owned ones never more than the most partitions it owned at once.",
@@ -497,6 +505,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     }
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     counter!(DEDUPE_HISTORY_LOST).absolute(0);
+    counter!(DEDUPE_FORGOTTEN).absolute(0);
     gauge!(EVICTION_POLICY_UNSAFE).set(0.0);
     for reason in DUPLICATE_REASONS {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
@@ -573,6 +582,11 @@ pub fn generation_pointer_unreadable(unreadable: bool) {
 /// Records offsets a dedupe window could not re-read: retention deleted them.
 pub fn dedupe_history_lost(offsets: u64) {
     counter!(DEDUPE_HISTORY_LOST).increment(offsets);
+}
+
+/// Records entries a dedupe window dropped.
+pub fn dedupe_forgotten(entries: u64) {
+    counter!(DEDUPE_FORGOTTEN).increment(entries);
 }
 
 /// Records a re-read that reached the fences after `took`.

@@ -105,6 +105,10 @@ pub struct Report {
     pub window_drift: Vec<WindowDrift>,
     /// Windows whose trending list differs from the recount's.
     pub top_drift: Vec<(WindowSize, i64)>,
+    /// Entries the recount's dedupe windows dropped (see
+    /// [`Window::forgotten`]): when not 0, the recount may judge a repeat
+    /// otherwise than the live consumer did.
+    pub dedupe_forgotten: u64,
 }
 
 /// One post whose likes in one window differ from the recount.
@@ -376,6 +380,7 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         windows: (compared.live.len(), compared.expired),
         window_drift: compared.drift,
         top_drift,
+        dedupe_forgotten: recount.windows.values().map(Window::forgotten).sum(),
     })
 }
 

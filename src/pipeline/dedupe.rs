@@ -141,6 +141,9 @@ pub struct Window {
     /// Per live block (by its number modulo [`LIVE`]).
     blocks: [BlockStats; LIVE],
     newest_ms: i64,
+    /// Of the entries the table dropped, those [`Window::newly_forgotten`]
+    /// has told.
+    forgotten_told: u64,
 }
 
 impl Window {
@@ -160,6 +163,7 @@ impl Window {
             table: Fingerprints::new(per_record * offsets, load),
             blocks: [BlockStats::default(); LIVE],
             newest_ms: 0,
+            forgotten_told: 0,
         }
     }
 
@@ -303,9 +307,20 @@ impl Window {
     }
 
     /// Entries the table had to drop, each a key no longer remembered (see
-    /// [`fingerprints`]); 0 unless the hash is attacked.
+    /// [`fingerprints`]); 0 unless keys were crafted to share a home slot
+    /// (event ids a client chose, say). A drop may change a verdict, and
+    /// another owner, whose table went through other re-reads, may not
+    /// make the same drop: `run` reports each one.
     pub fn forgotten(&self) -> u64 {
         self.table.forgotten()
+    }
+
+    /// Entries dropped since the last call (see [`Window::forgotten`]).
+    pub fn newly_forgotten(&mut self) -> u64 {
+        let all = self.table.forgotten();
+        let new = all - self.forgotten_told;
+        self.forgotten_told = all;
+        new
     }
 
     /// Seconds of record time between the earliest record of the oldest
@@ -350,6 +365,25 @@ fn pair_key(like: &Like) -> Key {
     bytes[..8].copy_from_slice(&like.post_id.to_le_bytes());
     bytes[8..].copy_from_slice(&like.user_id.to_le_bytes());
     Key(xxhash_rust::xxh3::xxh3_128_with_seed(&bytes, PAIR_SEED))
+}
+
+/// `n` event ids whose keys, on a like of `like`'s post by its user, share
+/// one home slot in `window`'s table: what a client choosing ids to crowd
+/// a table would send (for tests).
+#[cfg(test)]
+pub(crate) fn crowding_ids(window: &Window, like: &Like, n: usize) -> Vec<EventId> {
+    let pair = pair_key(like);
+    let key = |k: u64| {
+        let id = EventId::of(&k.to_le_bytes());
+        (id, window.table.full_home(id_key(id, pair, like.delta > 0)))
+    };
+    let home = key(0).1;
+    (0..)
+        .map(key)
+        .filter(|&(_, h)| h == home)
+        .map(|(id, _)| id)
+        .take(n)
+        .collect()
 }
 
 #[cfg(test)]
@@ -627,6 +661,20 @@ mod tests {
             seen.insert(narrow, n);
         }
         unreachable!()
+    }
+
+    #[test]
+    fn ids_crafted_to_share_a_slot_are_dropped_and_counted() {
+        let mut window = Window::new(settings(DedupeMode::Ids, 400), Some(0));
+        let l = like(7, 9, 1);
+        let ids = crowding_ids(&window, &l, 300);
+        for (offset, id) in ids.iter().enumerate() {
+            assert_eq!(window.observe(offset as i64, 0, &l, Some(*id)), None);
+        }
+        let dropped = window.forgotten();
+        assert!(dropped >= 300 - 256, "{dropped} dropped");
+        assert_eq!(window.newly_forgotten(), dropped);
+        assert_eq!(window.newly_forgotten(), 0, "told once");
     }
 
     #[test]

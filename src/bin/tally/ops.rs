@@ -443,6 +443,13 @@ fn verify_text(report: &Report) -> String {
         report.partitions,
         report.drift.len()
     );
+    if report.dedupe_forgotten > 0 {
+        let _ = writeln!(
+            text,
+            "the recount's dedupe windows dropped {} entries (keys crafted to share a slot, see tally_dedupe_forgotten_entries_total): repeats of the records they held may be judged otherwise than the live consumer judged them",
+            report.dedupe_forgotten
+        );
+    }
     if !report.gone.is_empty() {
         let offsets: i64 = report.gone.iter().map(|g| g.to - g.from + 1).sum();
         let _ = writeln!(

@@ -633,14 +633,26 @@ pub(super) fn rereading(owned: &Owning) -> bool {
 }
 
 /// Sets the dedupe gauges: the time each window covers, and the events all
-/// of them remember.
+/// of them remember; and reports the entries a window dropped since.
 pub(super) fn report_windows(owned: &Owning) {
     let mut remembered = 0;
     for (&partition, slot) in owned {
-        let state = slot.lock();
-        if let Some(window) = &state.window {
+        let mut state = slot.lock();
+        if let Some(window) = &mut state.window {
             remembered += window.len();
             metrics::dedupe_window(partition, window.covers_seconds());
+            let forgotten = window.newly_forgotten();
+            if forgotten > 0 {
+                metrics::dedupe_forgotten(forgotten);
+                warn!(
+                    partition,
+                    entries = forgotten,
+                    "The dedupe window dropped entries: keys of this partition's records crowd one \
+                     slot of its table, which only keys crafted to collide do (event ids a client \
+                     chose). Repeats of the records they held are not recognized and count; find \
+                     the producer whose ids repeat one pattern"
+                );
+            }
         }
     }
     metrics::dedupe_remembered(remembered);
@@ -737,6 +749,35 @@ mod tests {
         kept.owning(1);
         revoke(&mut owned, kept);
         owned
+    }
+
+    #[test]
+    fn entries_a_window_drops_are_reported_once_each() {
+        let owned = assigned(0);
+        let dropped = {
+            let mut state = owned[&4].lock();
+            let window = state.window.as_mut().unwrap();
+            let like = Like {
+                post_id: 7,
+                user_id: 9,
+                delta: 1,
+                event_time_ms: 0,
+            };
+            let ids = crate::pipeline::dedupe::crowding_ids(window, &like, 300);
+            for (offset, id) in (window.next().unwrap()..).zip(ids) {
+                window.observe(offset, 0, &like, Some(id));
+            }
+            window.forgotten()
+        };
+        assert!(dropped > 0);
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        for _ in 0..2 {
+            ::metrics::with_local_recorder(&recorder, || report_windows(&owned));
+            let text = handle.render();
+            let series = format!("{} {dropped}", metrics::DEDUPE_FORGOTTEN);
+            assert!(text.contains(&series), "no {series}: {text}");
+        }
     }
 
     #[test]
