@@ -247,9 +247,34 @@ impl Fingerprints {
             self.insert(full_home >> self.level, 0, entry);
         } else {
             // The probe stopped where the key belongs.
-            self.insert(i, distance, entry);
+            self.insert_where_probe_stopped(i, distance, entry);
         }
         None
+    }
+
+    /// [`Fingerprints::insert`] at the slot where a lookup of the entry's key
+    /// stopped: an empty one, or one holding a richer entry. There, Robin
+    /// Hood insertion comes to moving every entry from `at` to the end of
+    /// its run one slot on, one slot farther from its home (of two entries
+    /// with one home it may keep either in front, which no lookup tells
+    /// apart): one copy, not a swap decided at every slot. A run that wraps
+    /// round the table's end, or holds an entry that would pass
+    /// [`MAX_DISTANCE`], goes the way of every other insertion.
+    fn insert_where_probe_stopped(&mut self, at: usize, distance: u64, entry: u64) {
+        let slots: &mut [u64] = &mut self.slots;
+        let mut end = at;
+        while end < slots.len() && slots[end] != 0 && distance_of(slots[end]) < MAX_DISTANCE {
+            end += 1;
+        }
+        if distance > MAX_DISTANCE || end == slots.len() || slots[end] != 0 {
+            return self.insert(at, distance, entry);
+        }
+        slots.copy_within(at..end, at + 1);
+        for moved in &mut slots[at + 1..=end] {
+            *moved += 1 << DISTANCE_SHIFT;
+        }
+        slots[at] = entry | (distance << DISTANCE_SHIFT);
+        self.len += 1;
     }
 
     /// Places an entry (without its distance) `distance` slots past its home,
