@@ -18,6 +18,10 @@
 //!   applied just before its owner died): the next owner commits the fences within seconds,
 //!   though nothing new arrives, so the lag it shows is the lag there is.
 //!
+//! * a replica started with another `--dedupe` rule than the prefix's writers: refused with
+//!   both rules and the fix; `--dedupe-change` makes its rule the prefix's, and a writer still
+//!   on the old rule reports it within seconds (ERROR line, `tally_dedupe_rule_mismatch`).
+//!
 //! Each test has topics, a group and a key prefix of its own on the shared broker; the broker
 //! that comes back empty is a private one.
 
@@ -736,4 +740,74 @@ fn a_dead_letter_copy_that_keeps_failing_fails_readiness() {
         "the held partition's fence never passes the bad message"
     );
     tally.kill9();
+}
+
+/// A replica started with another `--dedupe` rule than the prefix's writers would count the
+/// repeats they skip on the partitions it owns: refused, naming both rules and the fix, and
+/// the rule stays. `--dedupe-change` makes its rule the prefix's; the writer still running the
+/// old one reports it within seconds (ERROR line, `tally_dedupe_rule_mismatch`) until the rule
+/// is its own again. A value tally never writes in the rule's key is refused with the key.
+#[test]
+fn a_replica_with_another_dedupe_rule_is_refused_until_the_change_is_said() {
+    let run = Scenario::new("e2e_guards_rule", "rule", PARTITIONS);
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let (mut tally, metrics, w) = caught_up_with_metrics(&run, &redis, &mut conn);
+    let key = format!("{}:dedupe", run.prefix);
+    let rule = |conn: &mut redis::Connection| -> Option<String> { conn.get(&key).unwrap() };
+    assert_eq!(
+        rule(&mut conn).as_deref(),
+        Some("off"),
+        "the first start wrote its rule"
+    );
+    let mismatch = || metric_value(&scrape_metrics(&metrics), "tally_dedupe_rule_mismatch");
+    assert_eq!(mismatch(), Some(0.0));
+
+    let mut ids = run.tally_args(&redis.url());
+    ids.extend(["--dedupe", "ids", "--dedupe-window", "4000"].map(String::from));
+    let line = refusal_line(&run_refused(&ids));
+    assert!(
+        line.contains(&format!("judge repeats by --dedupe off ({key})"))
+            && line.contains("this process by --dedupe ids --dedupe-window 4000")
+            && line.contains("--dedupe-change"),
+        "{line}"
+    );
+    assert_eq!(
+        rule(&mut conn).as_deref(),
+        Some("off"),
+        "a refused start changes nothing"
+    );
+
+    ids.push("--dedupe-change".into());
+    let mut changed = Tally::spawn_args("tally-ids", &ids);
+    wait_for("the rule changed", Duration::from_secs(60), || {
+        changed.assert_running();
+        (rule(&mut conn).as_deref() == Some("ids 4000")).then_some(())
+    });
+    wait_for("the old rule reported", Duration::from_secs(30), || {
+        tally.assert_running();
+        (mismatch() == Some(1.0)).then_some(())
+    });
+    assert!(
+        tally.log_text().lines().any(|l| l.contains("ERROR")
+            && l.contains("dedupe rule is no longer the one this process judges repeats by")
+            && l.contains("--dedupe ids --dedupe-window 4000")),
+        "{}",
+        tally.log_tail(20)
+    );
+    assert!(changed.sigterm_and_wait(Duration::from_secs(20)).success());
+    let _: () = conn.set(&key, "off").unwrap();
+    wait_for("the rule its own again", Duration::from_secs(30), || {
+        (mismatch() == Some(0.0)).then_some(())
+    });
+
+    let _: () = conn.set(&key, "sometimes").unwrap();
+    let line = refusal_line(&run_refused(&run.tally_args(&redis.url())));
+    assert!(
+        line.contains(&format!("{key} holds 'sometimes'")) && line.contains("'off'"),
+        "{line}"
+    );
+    let _: () = conn.set(&key, "off").unwrap();
+    assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
+    run.assert_exact(&mut conn, &w.truth);
 }

@@ -220,6 +220,7 @@ fn run_settings(
         metrics_addr: None,
         test_script_pause: Duration::ZERO,
         accept_lost_counts: false,
+        dedupe_change: false,
         schema_ids: Vec::new(),
         packing: Default::default(),
         windows: None,

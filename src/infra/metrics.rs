@@ -134,6 +134,8 @@ pub const DEDUPE_HISTORY_LOST: &str = "tally_dedupe_history_lost_offsets_total";
 /// Entries dedupe windows dropped: records whose repeats are no longer
 /// recognized, and whose verdicts another owner may not share.
 pub const DEDUPE_FORGOTTEN: &str = "tally_dedupe_forgotten_entries_total";
+/// 1 while the prefix's dedupe rule is not the one this writer judges by.
+pub const DEDUPE_RULE_MISMATCH: &str = "tally_dedupe_rule_mismatch";
 /// Per partition, the age of the re-read running now (0 when none runs).
 pub const DEDUPE_REREAD_AGE: &str = "tally_dedupe_reread_age_seconds";
 /// Per partition, the offsets the running re-read has left below the fences
@@ -382,6 +384,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "Offsets below a partition's fences that its dedupe window should have re-read at an assignment and that retention had deleted: a repeat of a record among them is not recognized and counts.",
     ),
     (
+        DEDUPE_RULE_MISMATCH,
+        Kind::Gauge,
+        "1 while the prefix's dedupe rule (--dedupe and --dedupe-window, read again every 10 s) is not the one this writer judges repeats by: another replica started with --dedupe-change, and the partitions this one owns count repeats the others skip (or skip what they count) until it is restarted with the new rule. 0 otherwise.",
+    ),
+    (
         DEDUPE_FORGOTTEN,
         Kind::Counter,
         "Entries a dedupe window's table dropped because they would lie too far from their home slot, which only keys crafted to share one slot cause: a repeat of the record one held is not recognized and counts, and another owner of the partition may decide it otherwise.",
@@ -506,6 +513,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     counter!(OFFSETS_SKIPPED, "reason" => "retention").absolute(0);
     counter!(DEDUPE_HISTORY_LOST).absolute(0);
     counter!(DEDUPE_FORGOTTEN).absolute(0);
+    gauge!(DEDUPE_RULE_MISMATCH).set(0.0);
     gauge!(EVICTION_POLICY_UNSAFE).set(0.0);
     for reason in DUPLICATE_REASONS {
         counter!(DUPLICATES_SKIPPED, "reason" => reason).absolute(0);
@@ -582,6 +590,11 @@ pub fn generation_pointer_unreadable(unreadable: bool) {
 /// Records offsets a dedupe window could not re-read: retention deleted them.
 pub fn dedupe_history_lost(offsets: u64) {
     counter!(DEDUPE_HISTORY_LOST).increment(offsets);
+}
+
+/// Records whether the prefix's dedupe rule is another than this writer's.
+pub fn dedupe_rule_mismatch(mismatch: bool) {
+    gauge!(DEDUPE_RULE_MISMATCH).set(if mismatch { 1.0 } else { 0.0 });
 }
 
 /// Records entries a dedupe window dropped.

@@ -26,6 +26,12 @@
 //! last is logged with the range lost and counted in
 //! `tally_offsets_skipped_total{reason="retention"}`.
 //!
+//! * a replica started with another `--dedupe` mode or window than the
+//!   prefix's other writers: it would count the repeats they skip, on
+//!   whichever partitions it owns. Refused at start unless it says
+//!   `--dedupe-change`; a rule changed under a running writer is an ERROR
+//!   line and `tally_dedupe_rule_mismatch` (see `dedupe_rule`).
+//!
 //! The eviction policy can be changed under a running consumer too (`CONFIG
 //! SET`): it is read again every few seconds, and a policy the start would
 //! refuse is an ERROR line and `tally_eviction_policy_unsafe`.
@@ -39,8 +45,12 @@
 use std::time::Duration;
 
 mod compaction;
+mod dedupe_rule;
 
 pub use compaction::{COMPACTION_RECHECK, check_compaction, spawn_compaction_watch};
+pub use dedupe_rule::{
+    RULE_RECHECK, check_dedupe_rule, rule_key, rule_text, spawn_dedupe_rule_watch,
+};
 
 use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -117,6 +127,18 @@ pub enum GuardError {
         value: u64,
         /// What the layout needs.
         needed: u64,
+    },
+    /// A start whose dedupe rule is not the prefix's.
+    #[error(
+        "the writers of this prefix judge repeats by {theirs} ({key}), and this process by {ours}: a replica with another rule counts repeats the others skip on the partitions it owns; start it with {theirs}, or pass --dedupe-change (once) to judge every record from now on by {ours}, then restart the other replicas with it"
+    )]
+    DedupeRule {
+        /// The key of the prefix's rule.
+        key: String,
+        /// The prefix's rule, as flags.
+        theirs: String,
+        /// This process's rule, as flags.
+        ours: String,
     },
     /// The store's server lacks what tally's scripts call.
     #[error(

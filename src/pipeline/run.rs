@@ -272,6 +272,14 @@ pub async fn run_with(
         !started.record.windows.is_empty(),
         shutdown.child_token(),
     ));
+    if mode.fixed_generation.is_none() {
+        drop(guard::spawn_dedupe_rule_watch(
+            opened.store.clone(),
+            settings.store.prefix(),
+            settings.dedupe,
+            shutdown.child_token(),
+        ));
+    }
     started.consumer.subscribe(&[&kafka.topic])?;
     let (_, watch, _) = &started.routing;
     info!(

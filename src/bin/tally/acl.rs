@@ -152,10 +152,13 @@ const USES: &[(&str, &str)] = &[
         "ping",
         "the connection check at start and the readiness probe",
     ),
-    ("get", "counters, fences and the freeze flag"),
+    (
+        "get",
+        "counters, fences, the freeze flag and the prefix's dedupe rule",
+    ),
     (
         "set",
-        "fences (in the apply script, and when they are reset) and the freeze flag",
+        "fences (in the apply script, and when they are reset), the freeze flag and the prefix's dedupe rule",
     ),
     (
         "del",

@@ -394,6 +394,14 @@ pub struct RunArgs {
     #[serde(skip)]
     pub accept_lost_counts: bool,
 
+    /// This start changes the prefix's dedupe rule to its --dedupe and --dedupe-window:
+    /// records from now on are judged by them. Without it, a start whose rule is not the
+    /// one the prefix's writers judge by is refused. For this one start; restart the other
+    /// replicas with the new rule (until then they report tally_dedupe_rule_mismatch).
+    #[arg(long, help_heading = DEDUPE)]
+    #[serde(skip)]
+    pub dedupe_change: bool,
+
     /// Extra librdkafka setting, repeatable: -X fetch.max.bytes=10485760. In the
     /// file, a [kafka-config] table. Commits, offset storage, auto.offset.reset and
     /// isolation.level stay tally's; settings of the other --group-protocol are refused.
@@ -466,6 +474,7 @@ impl RunArgs {
             metrics_addr: self.metrics_addr,
             test_script_pause: Duration::from_millis(self.test_script_pause_ms),
             accept_lost_counts: self.accept_lost_counts,
+            dedupe_change: self.dedupe_change,
             schema_ids: self.schema_ids.clone(),
             dedupe: DedupeSettings {
                 mode: self.dedupe,
@@ -675,7 +684,7 @@ mod tests {
             let id = arg.get_id().as_str();
             let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
             // A decision for one start must not linger in a variable.
-            if id == "accept_lost_counts" {
+            if id == "accept_lost_counts" || id == "dedupe_change" {
                 assert_eq!(env, None, "--{id} is a flag only");
                 continue;
             }

@@ -119,6 +119,10 @@ pub struct RunSettings {
     /// nothing (see [`crate::pipeline::guard`]); a one-off decision, never
     /// read from a file or the environment.
     pub accept_lost_counts: bool,
+    /// Make this start's dedupe rule the prefix's (see
+    /// [`crate::pipeline::guard`]); a one-off decision like
+    /// `accept_lost_counts`.
+    pub dedupe_change: bool,
     /// The Schema Registry ids a framed value may carry; empty accepts any
     /// (see [`crate::pipeline::decode`]).
     pub schema_ids: Vec<u32>,

@@ -93,7 +93,8 @@ pub(super) async fn start(
 
 /// One pass of the start-up checks, in order: the servers, the generation
 /// pointer, the consumer and its topics and group, the dead-letter topic,
-/// the layout record, every fence against its log, the routing registry.
+/// the layout record, the dedupe rule, every fence against its log, the
+/// routing registry.
 /// Tasks it starts stop with `attempt`.
 async fn start_once(
     opened: &OpenStore,
@@ -160,6 +161,18 @@ async fn start_once(
         live: mode.fixed_generation.is_none(),
     };
     let record = check_layout(opened, settings, first_start, written).await?;
+    // The live writers of a prefix judge repeats by one rule; a rebuild
+    // recounts under its own, into a generation of its own.
+    if mode.fixed_generation.is_none() {
+        guard::check_dedupe_rule(
+            &opened.store,
+            opened.url.shown(),
+            settings.store.prefix(),
+            settings.dedupe,
+            settings.dedupe_change,
+        )
+        .await?;
+    }
     applier = applier.with_keys(record.generation_keys(&opened.keys, written));
     consumer
         .context()

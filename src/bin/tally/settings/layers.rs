@@ -144,6 +144,7 @@ fn merge(
     config.config = cli.config;
     config.test_script_pause_ms = cli.test_script_pause_ms;
     config.accept_lost_counts = cli.accept_lost_counts;
+    config.dedupe_change = cli.dedupe_change;
     Ok(config)
 }
 
