@@ -746,7 +746,8 @@ fn a_dead_letter_copy_that_keeps_failing_fails_readiness() {
 /// repeats they skip on the partitions it owns: refused, naming both rules and the fix, and
 /// the rule stays. `--dedupe-change` makes its rule the prefix's; the writer still running the
 /// old one reports it within seconds (ERROR line, `tally_dedupe_rule_mismatch`) until the rule
-/// is its own again. A value tally never writes in the rule's key is refused with the key.
+/// is its own again, and `tally verify` under the old rule says the prefix's is another. A
+/// value tally never writes in the rule's key is refused with the key.
 #[test]
 fn a_replica_with_another_dedupe_rule_is_refused_until_the_change_is_said() {
     let run = Scenario::new("e2e_guards_rule", "rule", PARTITIONS);
@@ -796,6 +797,17 @@ fn a_replica_with_another_dedupe_rule_is_refused_until_the_change_is_said() {
         tally.log_tail(20)
     );
     assert!(changed.sigterm_and_wait(Duration::from_secs(20)).success());
+    // A recount under another rule than the prefix's says so.
+    let mut verify = vec!["verify".to_string()];
+    verify.extend(run.tally_args(&redis.url()));
+    let verify: Vec<&str> = verify.iter().map(String::as_str).collect();
+    let said = output_text(&tally_cli(&verify));
+    assert!(
+        said.contains(&format!(
+            "the prefix's writers judge repeats by 'ids 4000' ({key}), this recount by 'off'"
+        )),
+        "{said}"
+    );
     let _: () = conn.set(&key, "off").unwrap();
     wait_for("the rule its own again", Duration::from_secs(30), || {
         (mismatch() == Some(0.0)).then_some(())

@@ -55,6 +55,7 @@ use crate::pipeline::apply::Applier;
 use crate::pipeline::consume::check_topic;
 use crate::pipeline::decode::Decoder;
 use crate::pipeline::dedupe::{DedupeSettings, Window};
+use crate::pipeline::guard;
 use crate::read::{Count, Reader};
 
 /// What to verify, besides the settings shared with `tally run`.
@@ -109,6 +110,22 @@ pub struct Report {
     /// [`Window::forgotten`]): when not 0, the recount may judge a repeat
     /// otherwise than the live consumer did.
     pub dedupe_forgotten: u64,
+    /// The prefix's dedupe rule, when it is not the one the recount judged
+    /// by: the recount then reports as drift what the writers judged
+    /// otherwise.
+    pub other_rule: Option<OtherRule>,
+}
+
+/// A prefix's dedupe rule that is not the recount's (see
+/// [`crate::pipeline::guard::rule_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtherRule {
+    /// The key of the prefix's rule.
+    pub key: String,
+    /// What it holds.
+    pub prefix: String,
+    /// The rule the recount judged by, as the key would hold it.
+    pub recount: String,
 }
 
 /// One post whose likes in one window differ from the recount.
@@ -312,6 +329,22 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
     );
     let (current, layout) = reader.layout().await?;
     let applier = applier.with_keys(layout.clone());
+    let rule_key = guard::rule_key(settings.store.prefix());
+    let held: Option<String> = opened
+        .store
+        .call(|mut s| {
+            let key = rule_key.clone();
+            async move { redis::cmd("GET").arg(key).query_async(&mut s).await }
+        })
+        .await?;
+    let recount_rule = guard::rule_text(settings.dedupe);
+    let other_rule = held
+        .filter(|held| *held != recount_rule)
+        .map(|prefix| OtherRule {
+            key: rule_key,
+            prefix,
+            recount: recount_rule,
+        });
     let mut config = kafka.secure_client_config();
     let consumer: BaseConsumer = with_fetch_settings(&mut config)
         .set("enable.partition.eof", "false")
@@ -381,6 +414,7 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
         window_drift: compared.drift,
         top_drift,
         dedupe_forgotten: recount.windows.values().map(Window::forgotten).sum(),
+        other_rule,
     })
 }
 

@@ -443,6 +443,13 @@ fn verify_text(report: &Report) -> String {
         report.partitions,
         report.drift.len()
     );
+    if let Some(other) = &report.other_rule {
+        let _ = writeln!(
+            text,
+            "the prefix's writers judge repeats by '{}' ({}), this recount by '{}': repeats they judged otherwise are reported as drift; give verify the prefix's --dedupe and --dedupe-window to check what they counted",
+            other.prefix, other.key, other.recount
+        );
+    }
     if report.dedupe_forgotten > 0 {
         let _ = writeln!(
             text,

@@ -22,6 +22,7 @@ use tracing::{error, info, warn};
 
 use super::GuardError;
 use crate::infra::config::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings, MAX_WINDOW};
+use crate::infra::retry::{RedisFailure, classify_redis};
 use crate::infra::store::Shared;
 
 /// How often a running writer reads its prefix's rule again.
@@ -93,14 +94,19 @@ pub async fn check_dedupe_rule(
 ) -> Result<(), GuardError> {
     let key = rule_key(base);
     let text = rule_text(ours);
-    let unreachable = |error: redis::RedisError| match error.code() {
-        Some("WRONGTYPE") => GuardError::StrayValue(format!(
+    // A lost connection starts the checks again; what no retry fixes (a
+    // key of another type, a command the ACL denies) is refused.
+    let unreachable = |error: redis::RedisError| match (error.code(), classify_redis(&error)) {
+        (Some("WRONGTYPE"), _) => GuardError::StrayValue(format!(
             "{key} is a key of another type than a string, where tally keeps the prefix's dedupe rule; delete it, then start again"
         )),
-        _ => GuardError::Unreachable {
+        (_, RedisFailure::Transient) => GuardError::Unreachable {
             node: node.to_string(),
             error: error.to_string(),
         },
+        _ => GuardError::Unreadable(format!(
+            "cannot read or write {key}, where tally keeps the prefix's dedupe rule ({error}); give the Redis user the rule `tally docs acl` lists for tally run, then start again"
+        )),
     };
     // Written when absent, in the call that reads it: two first starts agree.
     let held: Option<String> = store
