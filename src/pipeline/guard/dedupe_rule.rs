@@ -109,19 +109,7 @@ pub async fn check_dedupe_rule(
         )),
     };
     // Written when absent, in the call that reads it: two first starts agree.
-    let held: Option<String> = store
-        .call(|mut s| {
-            let (key, text) = (key.clone(), text.clone());
-            async move {
-                redis::cmd("SET")
-                    .arg(key)
-                    .arg(text)
-                    .arg("NX")
-                    .arg("GET")
-                    .query_async(&mut s)
-                    .await
-            }
-        })
+    let held = set_rule(store, &key, &text, true)
         .await
         .map_err(unreachable)?;
     let Some(held) = held else {
@@ -139,17 +127,7 @@ pub async fn check_dedupe_rule(
             ours: flags(ours),
         });
     }
-    store
-        .call(|mut s| {
-            let (key, text) = (key.clone(), text.clone());
-            async move {
-                redis::cmd("SET")
-                    .arg(key)
-                    .arg(text)
-                    .query_async::<()>(&mut s)
-                    .await
-            }
-        })
+    set_rule(store, &key, &text, false)
         .await
         .map_err(unreachable)?;
     warn!(
@@ -159,6 +137,25 @@ pub async fn check_dedupe_rule(
         "Dedupe rule of the prefix changed (--dedupe-change): records from here on are judged by the new rule; replicas still on the old one report tally_dedupe_rule_mismatch until they are restarted with it"
     );
     Ok(())
+}
+
+/// Sets `key` to the rule `text`, only where it has none when
+/// `only_if_absent`; returns what it held.
+async fn set_rule(
+    store: &Shared,
+    key: &str,
+    text: &str,
+    only_if_absent: bool,
+) -> Result<Option<String>, redis::RedisError> {
+    let mut set = redis::cmd("SET");
+    set.arg(key).arg(text);
+    if only_if_absent {
+        set.arg("NX");
+    }
+    set.arg("GET");
+    store
+        .call(|mut s| async move { set.query_async(&mut s).await })
+        .await
 }
 
 /// Reads the rule of the prefix `base` again every [`RULE_RECHECK`] until
