@@ -330,13 +330,7 @@ pub async fn verify(settings: RunSettings, options: VerifyOptions) -> Result<Rep
     let (current, layout) = reader.layout().await?;
     let applier = applier.with_keys(layout.clone());
     let rule_key = guard::rule_key(settings.store.prefix());
-    let held: Option<String> = opened
-        .store
-        .call(|mut s| {
-            let key = rule_key.clone();
-            async move { redis::cmd("GET").arg(key).query_async(&mut s).await }
-        })
-        .await?;
+    let held = guard::read_rule(&opened.store, &rule_key).await?;
     let recount_rule = guard::rule_text(settings.dedupe);
     let other_rule = held
         .filter(|held| *held != recount_rule)

@@ -49,7 +49,7 @@ mod dedupe_rule;
 
 pub use compaction::{COMPACTION_RECHECK, check_compaction, spawn_compaction_watch};
 pub use dedupe_rule::{
-    RULE_RECHECK, check_dedupe_rule, rule_key, rule_text, spawn_dedupe_rule_watch,
+    RULE_RECHECK, check_dedupe_rule, read_rule, rule_key, rule_text, spawn_dedupe_rule_watch,
 };
 
 use rdkafka::consumer::{Consumer, ConsumerContext};

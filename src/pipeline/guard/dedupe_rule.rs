@@ -139,6 +139,14 @@ pub async fn check_dedupe_rule(
     Ok(())
 }
 
+/// What the rule's `key` holds.
+pub async fn read_rule(store: &Shared, key: &str) -> Result<Option<String>, redis::RedisError> {
+    let get = redis::cmd("GET").arg(key).clone();
+    store
+        .call(|mut s| async move { get.query_async(&mut s).await })
+        .await
+}
+
 /// Sets `key` to the rule `text`, only where it has none when
 /// `only_if_absent`; returns what it held.
 async fn set_rule(
@@ -177,13 +185,7 @@ pub fn spawn_dedupe_rule_watch(
                 _ = shutdown.cancelled() => return,
                 _ = every.tick() => {}
             }
-            let held: Result<Option<String>, _> = store
-                .call(|mut s| {
-                    let key = key.clone();
-                    async move { redis::cmd("GET").arg(key).query_async(&mut s).await }
-                })
-                .await;
-            let Ok(held) = held else {
+            let Ok(held) = read_rule(&store, &key).await else {
                 continue;
             };
             // A key deleted under the writers holds no other rule; the next
