@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::common::{packed_as_key, redis_tool, scan_keys, store_server};
+use crate::common::{listen_ports, packed_as_key, redis_tool, scan_keys, store_server};
 
 /// One node of the cluster.
 pub struct Node {
@@ -27,10 +27,16 @@ pub struct RedisCluster {
     _dir: TempDir,
 }
 
-/// A port from 20000–45000 whose cluster bus port (port + 10000) is free too.
+/// A port whose cluster bus port (port + 10000) is free too, both below the ephemeral range (see
+/// `free_port`), so a restarted node finds its ports unclaimed.
 fn cluster_port(taken: &[u16]) -> u16 {
+    let ports = listen_ports();
+    assert!(
+        ports.end - ports.start > 12_000,
+        "the listening ports {ports:?} leave no room for a cluster bus at port + 10000"
+    );
     loop {
-        let port = 20_000 + (rand::random::<u16>() % 25_000);
+        let port = ports.start + (rand::random::<u16>() % (ports.end - ports.start - 10_000));
         if taken.contains(&port) {
             continue;
         }

@@ -68,14 +68,18 @@ pub use tls::*;
 pub use topics::*;
 pub use workload::*;
 
-/// A loopback port in 20000..45000 that was free a moment ago and was not handed out before by
-/// this process.
+/// A loopback port that was free a moment ago, was not handed out before by this process, and
+/// lies below the kernel's ephemeral range (`ip_local_port_range`). Outside that range no client
+/// socket is ever bound to it: a node killed and started again on its port would otherwise find
+/// it taken by a connection that a reconnecting client made to itself (a TCP self-connect to a
+/// port nothing listens on).
 pub fn free_port() -> u16 {
     static GIVEN: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
     let given = GIVEN.get_or_init(|| Mutex::new(HashSet::new()));
+    let range = listen_ports();
     let mut rng = rand::rng();
     for _ in 0..1000 {
-        let port: u16 = rng.random_range(20000..45000);
+        let port: u16 = rng.random_range(range.clone());
         if given.lock().unwrap().contains(&port) {
             continue;
         }
@@ -84,7 +88,31 @@ pub fn free_port() -> u16 {
             return port;
         }
     }
-    panic!("no free loopback port found in 20000..45000");
+    panic!("no free loopback port found in {range:?}");
+}
+
+/// The ports `free_port` draws from: from 10000 up to the start of the ephemeral range, or, when
+/// that range starts lower, from its end up.
+pub fn listen_ports() -> std::ops::Range<u16> {
+    let text =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut bounds = text
+        .split_whitespace()
+        .filter_map(|v| v.parse::<u16>().ok());
+    let (low, high) = match (bounds.next(), bounds.next()) {
+        (Some(low), Some(high)) => (low, high),
+        _ => (32768, 60999),
+    };
+    if low >= 12000 {
+        10000..low
+    } else if high <= 63000 {
+        high + 1..65535
+    } else {
+        panic!(
+            "the ephemeral port range {low}-{high} leaves no room for test listeners; \
+             narrow it with `sysctl -w net.ipv4.ip_local_port_range=\"32768 60999\"`"
+        )
+    }
 }
 
 /// `name` plus a random suffix, for topics, groups and key prefixes.
