@@ -346,12 +346,12 @@ ensure_go_producer() {
     say "built $bin in $((SECONDS - started)) s"
 }
 
-# A loopback port that nothing listens on, in 20000..45000 (the tests draw from the same range
-# and skip busy ports).
+# A loopback port that nothing listens on, in 10000..32000: below the kernel's usual ephemeral
+# range, where no client socket takes it (the tests draw from the same range and skip busy ports).
 free_loopback_port() {
     local port
     while :; do
-        port=$((20000 + RANDOM % 25000))
+        port=$((10000 + RANDOM % 22000))
         if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
             echo "$port"
             return
