@@ -41,7 +41,14 @@ pub(super) struct Latency {
     pub samples: usize,
     /// Events the broker acknowledged during the phase, its seals included.
     pub events: u64,
+    /// The slowest marker likes, slowest first: when each was sent, in seconds after the first
+    /// marker, and its produce-to-visible time in milliseconds. With the phase's samples these
+    /// say whether a p99 comes from one stall or from a spread.
+    pub slowest: [(f64, f64); SLOWEST],
 }
+
+/// How many of the slowest marker likes a [`Latency`] keeps.
+pub(super) const SLOWEST: usize = 3;
 
 /// Marker post of the latency phase, far from generated ids.
 pub(super) const MARKER_POST: u64 = 1 << 40;
@@ -240,6 +247,21 @@ pub(super) fn timed_phase(
             patience.as_secs()
         );
     }
+    let first = summary.marker_sends.first().copied();
+    let mut timed: Vec<(f64, f64)> = summary
+        .marker_sends
+        .iter()
+        .zip(&ms)
+        .map(|(sent, &ms)| {
+            let at = first.map_or(0.0, |first| sent.duration_since(first).as_secs_f64());
+            (at, ms)
+        })
+        .collect();
+    timed.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut slowest = [(f64::NAN, f64::NAN); SLOWEST];
+    for (slot, marker) in slowest.iter_mut().zip(timed) {
+        *slot = marker;
+    }
     ms.sort_by(f64::total_cmp);
     let reached = (summary.acked as f64 / summary.elapsed.as_secs_f64().max(1e-9)) as u64;
     Ok(Latency {
@@ -249,6 +271,7 @@ pub(super) fn timed_phase(
         reached_rate: reached,
         samples: ms.len(),
         events: summary.acked + sealed,
+        slowest,
     })
 }
 

@@ -382,6 +382,17 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
             thousands(l.target_rate),
             config.latency_load
         )?;
+        let slowest: Vec<String> = l
+            .slowest
+            .iter()
+            .filter(|(_, ms)| ms.is_finite())
+            .map(|(at, ms)| format!("{ms:.0} ms sent at {at:.2} s"))
+            .collect();
+        writeln!(
+            out,
+            "Slowest marker likes (sent at: seconds after the first marker): {}.",
+            slowest.join(", ")
+        )?;
     }
     if !o.tally.stages.is_empty() {
         let parts: Vec<String> = o
