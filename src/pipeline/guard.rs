@@ -46,6 +46,7 @@ use std::time::Duration;
 
 mod compaction;
 mod dedupe_rule;
+mod watch;
 
 pub use compaction::{COMPACTION_RECHECK, check_compaction, spawn_compaction_watch};
 pub use dedupe_rule::{
@@ -428,14 +429,11 @@ pub fn spawn_eviction_watch(
     windows: bool,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    crate::infra::metrics::eviction_policy_unsafe(false);
     crate::infra::tasks::spawn("eviction-watch", async move {
-        let mut every = tokio::time::interval(EVICTION_RECHECK);
-        let mut reported: Option<String> = None;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {}
-            }
+        let mut every = watch::rechecks(EVICTION_RECHECK).await;
+        let mut finding = watch::Finding::new();
+        while watch::next_tick(&mut every, &shutdown).await {
             let target = target.clone();
             let Ok(policies) =
                 tokio::task::spawn_blocking(move || eviction_policies(&target)).await
@@ -447,19 +445,14 @@ pub fn spawn_eviction_watch(
                 .filter_map(|(node, policy)| policy.ok().map(|p| (node, p)))
                 .find_map(|(node, policy)| eviction_refusal(node, policy, windows).err());
             crate::infra::metrics::eviction_policy_unsafe(refusal.is_some());
-            match refusal {
-                Some(refusal) => {
-                    let text = refusal.to_string();
-                    if reported.as_deref() != Some(text.as_str()) {
-                        tracing::error!(problem = %text, "The store's eviction policy changed under a running tally: keys tally needs may be evicted.");
-                        reported = Some(text);
-                    }
+            match finding.update(refusal.map(|refusal| refusal.to_string())) {
+                watch::Change::Appeared(problem) => {
+                    tracing::error!(%problem, "The store's eviction policy changed under a running tally: keys tally needs may be evicted.");
                 }
-                None => {
-                    if reported.take().is_some() {
-                        info!("The store's eviction policy keeps tally's keys again.");
-                    }
+                watch::Change::Cleared => {
+                    info!("The store's eviction policy keeps tally's keys again.");
                 }
+                watch::Change::Same => {}
             }
         }
     })

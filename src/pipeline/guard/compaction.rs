@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::GuardError;
+use super::watch::{Change, Finding, next_tick, rechecks};
 use crate::infra::config::KafkaSettings;
 
 /// How often a running consumer reads its topic's `cleanup.policy` again.
@@ -95,29 +96,22 @@ pub fn spawn_compaction_watch(
         let Ok(admin) = admin(&kafka) else {
             return;
         };
-        let mut every = tokio::time::interval(COMPACTION_RECHECK);
-        every.tick().await;
-        let mut reported = false;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {}
-            }
+        let mut every = rechecks(COMPACTION_RECHECK).await;
+        let mut finding = Finding::new();
+        while next_tick(&mut every, &shutdown).await {
             let Ok(policy) = cleanup_policy(&admin, &kafka.topic).await else {
                 continue;
             };
             let refusal = compaction_refusal(&kafka.topic, &policy).err();
             crate::infra::metrics::topic_compacted(refusal.is_some());
-            match refusal {
-                Some(refusal) if !reported => {
-                    error!(problem = %refusal, "The consumed topic's cleanup.policy changed under a running tally: Kafka may delete likes before they are counted.");
-                    reported = true;
+            match finding.update(refusal.map(|refusal| refusal.to_string())) {
+                Change::Appeared(problem) => {
+                    error!(%problem, "The consumed topic's cleanup.policy changed under a running tally: Kafka may delete likes before they are counted.");
                 }
-                None if reported => {
+                Change::Cleared => {
                     info!(topic = %kafka.topic, %policy, "The consumed topic keeps every record again.");
-                    reported = false;
                 }
-                _ => {}
+                Change::Same => {}
             }
         }
     })

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::GuardError;
+use super::watch::{Change, Finding, next_tick, rechecks};
 use crate::infra::config::dedupe::{DEFAULT_WINDOW, DedupeMode, DedupeSettings, MAX_WINDOW};
 use crate::infra::retry::{RedisFailure, classify_redis};
 use crate::infra::store::Shared;
@@ -177,14 +178,11 @@ pub fn spawn_dedupe_rule_watch(
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let key = rule_key(base);
+    crate::infra::metrics::dedupe_rule_mismatch(false);
     crate::infra::tasks::spawn("dedupe-rule-watch", async move {
-        let mut every = tokio::time::interval(RULE_RECHECK);
-        let mut reported: Option<String> = None;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = every.tick() => {}
-            }
+        let mut every = rechecks(RULE_RECHECK).await;
+        let mut finding = Finding::new();
+        while next_tick(&mut every, &shutdown).await {
             let Ok(held) = read_rule(&store, &key).await else {
                 continue;
             };
@@ -192,23 +190,20 @@ pub fn spawn_dedupe_rule_watch(
             // start writes it again.
             let other = held.filter(|h| !matches!(compare(&key, h, ours), Ok(true)));
             crate::infra::metrics::dedupe_rule_mismatch(other.is_some());
-            match other {
-                Some(held) if reported.as_deref() != Some(held.as_str()) => {
-                    let theirs = parse_rule(&held).map_or_else(|| held.clone(), flags);
+            match finding.update(other) {
+                Change::Appeared(held) => {
+                    let theirs = parse_rule(held).map_or_else(|| held.clone(), flags);
                     error!(
                         key = %key,
                         prefix_rule = %theirs,
                         this_process = %flags(ours),
                         "The prefix's dedupe rule is no longer the one this process judges repeats by: the partitions it owns count repeats the others skip (or skip what they count); restart it with the prefix's rule"
                     );
-                    reported = Some(held);
                 }
-                Some(_) => {}
-                None => {
-                    if reported.take().is_some() {
-                        info!(key = %key, "The prefix's dedupe rule is this process's again.");
-                    }
+                Change::Cleared => {
+                    info!(key = %key, "The prefix's dedupe rule is this process's again.");
                 }
+                Change::Same => {}
             }
         }
     })
