@@ -257,9 +257,13 @@ pub async fn record_highest(store: &Shared, base: &str, k: u64) -> Result<(), Re
         .await
 }
 
-/// Reads the pointer and the freeze flag.
+/// Reads the freeze flag, then the pointer. A switch moves the pointer
+/// before it deletes the flag, so in this order a flag seen gone means the
+/// pointer read after it has moved. Read the other way round, a switch made
+/// between the two reads looks like a freeze lifted with the pointer still
+/// on the old generation, and a writer would go on writing it until its
+/// next read, or for good if the pointer went back meanwhile.
 pub async fn read_state(store: &Shared, base: &str) -> Result<State, RedisError> {
-    let pointer = read_pointer(store, base).await?;
     let key = freeze_key(base);
     let raw: Option<Vec<u8>> = store
         .call(|mut s| {
@@ -272,6 +276,7 @@ pub async fn read_state(store: &Shared, base: &str) -> Result<State, RedisError>
             "{key} holds {value:?}, which is not a generation and not a value tally writes; a rebuild's switch cannot be held for: delete it if no `tally rebuild` is switching now, or set it to the generation the rebuild writes"
         )
     })?;
+    let pointer = read_pointer(store, base).await?;
     Ok(State {
         current: pointer.current,
         highest: pointer.highest,
