@@ -357,7 +357,7 @@ const WARM_UP_POST: u64 = 1 << 41;
 /// Sends one like to each of the `partitions` of `topic` and waits for them all, so that a
 /// timed plan's first marker does not wait for the producer's own start: its connection to
 /// every partition leader and, being idempotent, its producer id. (Markers sent in the first
-/// fifth of a second of a phase were seen taking 600–700 ms, all of it before the broker.)
+/// fifth of a second of a phase were seen taking 600–700 ms, waiting in the producer.)
 /// Each like has a user of its own, so no dedupe rule skips one, and the delivery reports put
 /// them in the truth like any other event. Returns how many were sent.
 fn warm_up(
