@@ -186,14 +186,23 @@ fn scale_with_a_kill_mid_rebalance(protocol: &str) {
         .map(|name| Member::start(name, &base, &[]))
         .collect();
     eprintln!("[e2e_protocols] {} three members joining", stamp());
-    wait_for(
-        "the first member to give up partitions",
-        Duration::from_secs(60),
-        || (first.owned() < f64::from(PARTITIONS)).then_some(()),
-    );
-    let held: Vec<f64> = joiners.iter_mut().map(Member::owned).collect();
-    let kept = first.owned();
-    first.tally.kill9();
+    // The newcomers are read before the first member and the kill follows at once: under the
+    // consumer protocol a whole rebalance can settle within one 100 ms poll, so the state the
+    // assertion below judges must be the one seen just before the kill.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (held, kept) = loop {
+        let held: Vec<f64> = joiners.iter_mut().map(Member::owned).collect();
+        let kept = first.owned();
+        if kept < f64::from(PARTITIONS) {
+            first.tally.kill9();
+            break (held, kept);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after 60 s waiting for the first member to give up partitions"
+        );
+        thread::sleep(Duration::from_millis(5));
+    };
     eprintln!(
         "[e2e_protocols] {} first killed owning {kept} partitions; the newcomers owned {held:?}",
         stamp()
