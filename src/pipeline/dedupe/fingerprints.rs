@@ -127,6 +127,20 @@ impl std::ops::DerefMut for Slots {
     }
 }
 
+/// What [`Fingerprints::walk`] found of two keys of one home.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Walk {
+    /// The slot holding the first key, when held.
+    pub(super) first: Option<usize>,
+    /// The slot holding the second key, when held.
+    pub(super) second: Option<usize>,
+    /// Where the walk stopped: where a key of that home not held belongs.
+    stop: usize,
+    /// How far `stop` lies from the home.
+    distance: u64,
+    full_home: usize,
+}
+
 /// A key to remember: a 128-bit hash of what it names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Key(pub(super) u128);
@@ -250,6 +264,125 @@ impl Fingerprints {
             self.insert_where_probe_stopped(i, distance, entry);
         }
         None
+    }
+
+    /// Whether `key` is held, without changing anything.
+    pub(super) fn contains(&self, key: Key) -> bool {
+        let (full_home, ident) = self.locate(key);
+        let size = self.slots.len();
+        let mut i = full_home >> self.level;
+        let mut distance = 0u64;
+        loop {
+            let entry = self.slots[i];
+            if entry == 0 || distance_of(entry) < distance {
+                return false;
+            }
+            if distance_of(entry) == distance && entry >> IDENT_SHIFT == ident {
+                return true;
+            }
+            i = if i + 1 == size { 0 } else { i + 1 };
+            distance += 1;
+        }
+    }
+
+    /// Looks `first` and `second`, two keys with one home, up in one walk
+    /// from that home, changing nothing; the walk ends early when it finds
+    /// `first`. An entry is taken for `first` only
+    /// when its byte passes `first_byte`, and for `second` only when it does
+    /// not: two keys of one home that the caller tells apart by their byte
+    /// are never confused, whatever their fingerprints.
+    pub(super) fn walk(&self, first: Key, second: Key, first_byte: impl Fn(Byte) -> bool) -> Walk {
+        let (full_home, first_ident) = self.locate(first);
+        let (second_home, second_ident) = self.locate(second);
+        debug_assert_eq!(full_home, second_home, "the two keys share a home");
+        let size = self.slots.len();
+        let mut walk = Walk {
+            first: None,
+            second: None,
+            stop: full_home >> self.level,
+            distance: 0,
+            full_home,
+        };
+        loop {
+            let entry = self.slots[walk.stop];
+            if entry == 0 || distance_of(entry) < walk.distance {
+                return walk;
+            }
+            if distance_of(entry) == walk.distance {
+                let ident = entry >> IDENT_SHIFT;
+                let is_first = first_byte((entry & USER_MASK) as Byte);
+                if ident == first_ident && is_first {
+                    walk.first = Some(walk.stop);
+                    return walk;
+                } else if ident == second_ident && !is_first {
+                    walk.second = Some(walk.stop);
+                }
+            }
+            walk.stop = if walk.stop + 1 == size {
+                0
+            } else {
+                walk.stop + 1
+            };
+            walk.distance += 1;
+        }
+    }
+
+    /// Sets the byte of the entry a [`Walk`] found at `at`; returns the byte
+    /// it had.
+    pub(super) fn set_byte(&mut self, at: usize, byte: Byte) -> Byte {
+        let entry = self.slots[at];
+        self.slots[at] = (entry & !USER_MASK) | u64::from(byte);
+        (entry & USER_MASK) as Byte
+    }
+
+    /// Adds `key`, which `walk` looked up and did not find, where the walk
+    /// stopped; nothing may have changed the table since.
+    pub(super) fn insert_walked(&mut self, walk: &Walk, key: Key, byte: Byte) {
+        let (full_home, ident) = self.locate(key);
+        debug_assert_eq!(full_home, walk.full_home, "the key the walk was for");
+        let entry = (ident << IDENT_SHIFT) | u64::from(byte);
+        if self.level > 0 && self.len + 1 > self.grow_at {
+            self.grow();
+            self.insert(full_home >> self.level, 0, entry);
+        } else {
+            self.insert_where_probe_stopped(walk.stop, walk.distance, entry);
+        }
+    }
+
+    /// Adds two keys of the walk's home, neither held, where the walk
+    /// stopped: the first there, the second in the slot after it, where a
+    /// lookup of it stops once the first is in place (the entry moved on
+    /// from that slot is one slot farther from its home, still less far
+    /// than the second). Nothing may have changed the table since the walk.
+    pub(super) fn insert_two_walked(
+        &mut self,
+        walk: &Walk,
+        (first, first_byte): (Key, Byte),
+        (second, second_byte): (Key, Byte),
+    ) {
+        if self.level > 0 && self.len + 2 > self.grow_at {
+            self.upsert(first, first_byte);
+            self.upsert(second, second_byte);
+            return;
+        }
+        self.insert_walked(walk, first, first_byte);
+        let (_, ident) = self.locate(first);
+        let placed = self.slots[walk.stop];
+        if placed >> IDENT_SHIFT != ident || distance_of(placed) != walk.distance {
+            // The first was dropped (too far from its home): no shortcut.
+            self.upsert(second, second_byte);
+            return;
+        }
+        let next = Walk {
+            stop: if walk.stop + 1 == self.slots.len() {
+                0
+            } else {
+                walk.stop + 1
+            },
+            distance: walk.distance + 1,
+            ..*walk
+        };
+        self.insert_walked(&next, second, second_byte);
     }
 
     /// [`Fingerprints::insert`] at the slot where a lookup of the entry's key
@@ -489,6 +622,102 @@ mod tests {
             prop_assert!(table.ordered());
             prop_assert_eq!(table.forgotten(), 0);
         }
+    }
+
+    /// Keys of one home, told apart by the low bit of their byte, through
+    /// the walk and the insertions after it: the answers of a map, the order
+    /// kept, through growth and removal.
+    #[test]
+    fn two_keys_of_one_home_walked_answer_as_a_map_does() {
+        let config = proptest::test_runner::Config::with_cases(64);
+        let mut runner = proptest::test_runner::TestRunner::new(config);
+        let ops = prop::collection::vec((0u64..60, 0u64..4, 0u8..3, 0u8..40), 0..3_000);
+        runner
+            .run(&ops, |ops| {
+                let mut table = Fingerprints::new(2_000, LOAD);
+                // A home's keys: its high half, and a low half per key.
+                let key = |home: u64, n: u64| {
+                    Key(key(home).0 >> 64 << 64 | u128::from(key(1 << 40 | n).0 as u64))
+                };
+                let mut model: HashMap<(u64, u64), u8> = HashMap::new();
+                for (step, (home, n, which, tag)) in ops.into_iter().enumerate() {
+                    if step % 64 == 0 {
+                        prop_assert!(table.ordered());
+                    }
+                    if tag == 0 {
+                        let gone = (home % 8) as u8;
+                        table.retain(|b| b >> 2 != gone);
+                        model.retain(|_, b| *b >> 2 != gone);
+                        continue;
+                    }
+                    // Even keys are of the first kind (byte bit clear), odd
+                    // ones of the second (bit set); a walk pairs one of each.
+                    let n = 2 * n;
+                    let (first, second) = (key(home, n), key(home, n + 1));
+                    let (first_byte, second_byte) = (tag << 2, tag << 2 | 1);
+                    let walk = table.walk(first, second, |b| b & 1 == 0);
+                    let held = |k| model.get(&(home, k)).copied();
+                    let first_held = held(n);
+                    prop_assert_eq!(walk.first.is_some(), first_held.is_some());
+                    if walk.first.is_none() {
+                        prop_assert_eq!(walk.second.is_some(), held(n + 1).is_some());
+                    }
+                    match (walk.first, walk.second, which) {
+                        (Some(at), _, _) => {
+                            prop_assert_eq!(Some(table.set_byte(at, first_byte)), first_held);
+                            model.insert((home, n), first_byte);
+                        }
+                        (None, Some(at), 0) => {
+                            table.set_byte(at, second_byte);
+                            model.insert((home, n + 1), second_byte);
+                        }
+                        (None, Some(_), _) => {
+                            table.insert_walked(&walk, first, first_byte);
+                            model.insert((home, n), first_byte);
+                        }
+                        (None, None, _) => {
+                            table.insert_two_walked(
+                                &walk,
+                                (second, second_byte),
+                                (first, first_byte),
+                            );
+                            model.insert((home, n + 1), second_byte);
+                            model.insert((home, n), first_byte);
+                        }
+                    }
+                }
+                prop_assert!(table.ordered());
+                prop_assert_eq!(table.forgotten(), 0);
+                // Every key the model holds is found with its byte.
+                for (&(home, n), &byte) in &model {
+                    let k = key(home, n);
+                    let walk = table.walk(k, k, |b| b & 1 == byte & 1);
+                    prop_assert!(walk.first.is_some(), "key {} of home {}", n, home);
+                    prop_assert_eq!(table.set_byte(walk.first.unwrap(), byte), byte);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// One key held as each kind is two entries, each found only as its own.
+    #[test]
+    fn a_walk_tells_the_two_kinds_of_one_key_apart() {
+        let mut table = Fingerprints::new(100, LOAD);
+        let k = key(5);
+        let first = |b: Byte| b & 1 == 0;
+        let walk = table.walk(k, k, first);
+        table.insert_walked(&walk, k, 1);
+        let walk = table.walk(k, k, first);
+        assert_eq!(walk.first, None, "held as the second kind only");
+        let second = walk.second.expect("found as the second kind");
+        table.insert_walked(&walk, k, 2);
+        let walk = table.walk(k, k, first);
+        let at = walk.first.expect("found as the first kind");
+        assert_ne!(at, second);
+        assert_eq!(table.set_byte(at, 4), 2);
+        assert_eq!(table.set_byte(second, 3), 1);
+        assert_eq!(table.len(), 2);
     }
 
     /// Tables large enough that doubling moves most entries from the end
