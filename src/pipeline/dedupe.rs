@@ -64,8 +64,9 @@
 //! the pair's home, unless the pair is held ([`Window::decide_both`]): a
 //! record of a new pair costs one walk of the table.
 //! Two keys are confused when their hashes agree on the fingerprint and the
-//! full-size home, 44 + log2(slots) bits, and are of one kind (pair or id):
-//! docs/design.md gives the chance.
+//! full-size home, 44 + log2(slots) bits (in the walk from a pair's home,
+//! only when they are also of one kind, pair or id): docs/design.md gives
+//! the chance.
 
 mod fingerprints;
 
@@ -105,7 +106,8 @@ const LIVE: usize = BLOCKS as usize + 1;
 /// of tag, then [`PAIR`] and [`LIKED`].
 const TAGS: i64 = 64;
 /// Set in the byte of a (post, user) entry, clear in an id's: the two kinds
-/// of entry that share a home (see [`Window::decide`]) are told apart by it.
+/// of entry that share a home (see [`Window::decide_both`]) are told apart
+/// by it in the walk from that home.
 const PAIR: u8 = 0b10;
 /// Set in the byte of a (post, user) entry whose last action was a like.
 const LIKED: u8 = 0b01;
