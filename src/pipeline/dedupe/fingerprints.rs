@@ -268,21 +268,7 @@ impl Fingerprints {
 
     /// Whether `key` is held, without changing anything.
     pub(super) fn contains(&self, key: Key) -> bool {
-        let (full_home, ident) = self.locate(key);
-        let size = self.slots.len();
-        let mut i = full_home >> self.level;
-        let mut distance = 0u64;
-        loop {
-            let entry = self.slots[i];
-            if entry == 0 || distance_of(entry) < distance {
-                return false;
-            }
-            if distance_of(entry) == distance && entry >> IDENT_SHIFT == ident {
-                return true;
-            }
-            i = if i + 1 == size { 0 } else { i + 1 };
-            distance += 1;
-        }
+        self.walk(key, key, |_| true).first.is_some()
     }
 
     /// Looks `first` and `second`, two keys with one home, up in one walk
