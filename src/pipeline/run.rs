@@ -538,13 +538,13 @@ impl Pipeline {
                 match state.read_apart {
                     true => Intake::Dropped,
                     false => {
-                        let read = intake::read(&state, &self.decoder, &message, timestamp);
+                        let record = intake::Record::of(&message);
+                        let read = intake::read(&state, &self.decoder, &record);
                         intake::accept(
                             &mut state,
                             self.applier.keys().groups(),
                             self.applier.keys().windows(),
-                            &message,
-                            timestamp,
+                            &record,
                             read,
                             &self.table,
                             self.dead_letters.as_deref(),

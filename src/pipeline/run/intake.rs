@@ -39,8 +39,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rdkafka::Message;
-use rdkafka::message::BorrowedMessage;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -346,18 +344,49 @@ pub(super) struct Read {
     keys: Option<Keys>,
 }
 
+/// What intake reads of a message, whichever queue handed it out.
+#[derive(Clone, Copy)]
+pub(super) struct Record<'m> {
+    pub(super) partition: i32,
+    pub(super) offset: i64,
+    /// The message's timestamp in milliseconds, 0 when it has none.
+    pub(super) timestamp: i64,
+    pub(super) key: Option<&'m [u8]>,
+    pub(super) payload: Option<&'m [u8]>,
+}
+
+impl<'m> Record<'m> {
+    /// The parts of a message handed out by a poll of the consumer or of a
+    /// split queue.
+    pub(super) fn of(message: &'m impl rdkafka::Message) -> Record<'m> {
+        Record {
+            partition: message.partition(),
+            offset: message.offset(),
+            timestamp: message.timestamp().to_millis().unwrap_or(0),
+            key: message.key(),
+            payload: message.payload(),
+        }
+    }
+
+    /// The parts of a message taken many a call from a split queue.
+    pub(super) fn fetched(message: &'m tally_fetch::Fetched<'_>) -> Record<'m> {
+        Record {
+            partition: message.partition(),
+            offset: message.offset(),
+            timestamp: message.timestamp().to_millis().unwrap_or(0),
+            key: message.key(),
+            payload: message.payload(),
+        }
+    }
+}
+
 /// Decodes a message and asks for the slots of its partition's dedupe window
 /// it will be decided by, without waiting for them: a reader reads a run of
 /// messages this way before it takes the first, so their waits for memory
 /// overlap. Nothing of the partition's state changes: what the message does
 /// is decided by [`accept`], in offset order.
-pub(super) fn read(
-    state: &Owned,
-    decoder: &Decoder,
-    message: &BorrowedMessage<'_>,
-    timestamp: i64,
-) -> Read {
-    let decoded = decoder.identified(message.payload(), timestamp);
+pub(super) fn read(state: &Owned, decoder: &Decoder, message: &Record<'_>) -> Read {
+    let decoded = decoder.identified(message.payload, message.timestamp);
     let keys = match (&decoded, state.window.as_ref()) {
         (Ok((like, id)), Some(window)) => {
             let keys = window.keys(like, *id);
@@ -381,14 +410,17 @@ pub(super) fn accept(
     state: &mut Owned,
     groups: &SlotGroups,
     windows: &Windows,
-    message: &BorrowedMessage<'_>,
-    timestamp: i64,
+    message: &Record<'_>,
     read: Read,
     routes: &RouteTable,
     dead_letters: Option<&DeadLetters>,
 ) -> Intake {
-    let partition = message.partition();
-    let offset = message.offset();
+    let Record {
+        partition,
+        offset,
+        timestamp,
+        ..
+    } = *message;
     if !state.settled() {
         return Intake::Dropped;
     }
@@ -466,8 +498,8 @@ pub(super) fn accept(
             state.batch.add_bad(start, offset);
             if let Some(dead_letters) = dead_letters {
                 state.letters.push(dead_letters.send(DeadLetter {
-                    key: message.key().map(<[u8]>::to_vec),
-                    value: message.payload().map(<[u8]>::to_vec),
+                    key: message.key.map(<[u8]>::to_vec),
+                    value: message.payload.map(<[u8]>::to_vec),
                     reason,
                     partition,
                     offset,

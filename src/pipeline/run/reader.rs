@@ -19,8 +19,13 @@
 //! * a message read ahead (decoded, its dedupe slots prefetched) is taken in
 //!   its turn or the consumer is sent back to it: a run of messages read
 //!   ahead never holds more than the batch has room for, and a reader that
-//!   stops inside one (its batch filled after all) seeks to the first
-//!   message it left, so nothing fetched is passed over;
+//!   stops inside one (its batch filled after all), or with messages taken
+//!   from the queue after an error, seeks to the first message it left, so
+//!   nothing fetched is passed over;
+//! * the queue's stream wakes the reader with one message; what follows it
+//!   is taken many a call ([`tally_fetch::Batches`], one bookkeeping of
+//!   librdkafka's poll a call instead of one a message), never more than the
+//!   run has room for, in the queue's order;
 //! * a reader never waits for another partition, nor makes one wait: it
 //!   holds only its own partition's state, stops taking when its batch is
 //!   full until the main loop has sent it, and yields its thread after each
@@ -30,23 +35,24 @@
 //! Order per partition is the queue's; the main loop still dispatches,
 //! applies and commits every batch (see the parent module).
 
+use std::collections::VecDeque;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use rdkafka::Message;
 use rdkafka::consumer::Consumer;
 use rdkafka::consumer::stream_consumer::MessageStream;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tally_fetch::{Batches, Fetched};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::debug;
 
 use super::DRAIN_AT_MOST;
-use super::intake::{self, Intake, Owned, Read, Slot};
+use super::intake::{self, Intake, Owned, Read, Record, Slot};
 use crate::domain::slots::SlotGroups;
 use crate::domain::versions::{Readiness, RouteTable, RouteWatch};
 use crate::infra::{metrics, tasks};
@@ -103,6 +109,22 @@ impl Reading {
 /// their dedupe windows' memory to overlap, few enough that the first one's
 /// slots are still in cache when it is decided.
 const RUN: usize = 32;
+
+/// A message of a run: one the queue's stream handed out (the one that woke
+/// the reader), or one taken after it through [`Batches`].
+enum Held<'q> {
+    Woke(BorrowedMessage<'q>),
+    Taken(Fetched<'q>),
+}
+
+impl Held<'_> {
+    fn record(&self) -> Record<'_> {
+        match self {
+            Held::Woke(message) => Record::of(message),
+            Held::Taken(message) => Record::fetched(message),
+        }
+    }
+}
 
 /// How long a refused seek waits before it is tried again (librdkafka
 /// refuses one while the partition's fetcher is still starting).
@@ -161,6 +183,12 @@ impl Reader {
         // One stream for the whole ownership: its waker is registered once,
         // not once per message.
         let mut messages = queue.stream();
+        // A second handle to the same queue, for what follows a wake-up.
+        let batches = Batches::new(
+            self.reading.consumer.clone(),
+            &self.reading.topic,
+            self.partition,
+        );
         let mut idle = tokio::time::interval(POSITION_EVERY);
         idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut retry_at: Option<Instant> = None;
@@ -179,7 +207,7 @@ impl Reader {
                 _ = self.slot.poke.notified() => {}
                 _ = tokio::time::sleep_until(retry), if retry_at.is_some() => {}
                 Some(received) = messages.next(), if room => {
-                    if self.take(&mut messages, received).await {
+                    if self.take(&mut messages, batches.as_ref(), received).await {
                         self.note_position();
                     }
                     // librdkafka's queue is always ready while it holds
@@ -255,22 +283,29 @@ impl Reader {
     /// Takes `first` and what the queue already holds after it, up to
     /// [`DRAIN_AT_MOST`], in runs of at most [`RUN`]: each run is read
     /// (decoded, its dedupe window's memory asked for) before its first
-    /// message is taken. Returns `false` when it stopped early (the batch
-    /// filled, or the ownership ended).
+    /// message is taken. What follows `first` is taken through `batches`,
+    /// many messages a call, or from `messages` when the queue has no such
+    /// handle. Returns `false` when it stopped early (the batch filled, or
+    /// the ownership ended).
     async fn take(
         &mut self,
         messages: &mut MessageStream<'_, TallyContext>,
+        batches: Option<&Batches>,
         first: KafkaResult<BorrowedMessage<'_>>,
     ) -> bool {
         let view = self.reading.view();
         self.table = Some(view.watch.current());
         // Each message can add a counter and a cell per window to the batch.
         let keys_per_message = 1 + view.windows.sizes().len();
-        let mut received = Some(first);
-        let mut run: Vec<(BorrowedMessage<'_>, i64)> = Vec::with_capacity(RUN);
+        let mut received = Some(first.map(Held::Woke));
+        // Taken from the queue and not yet into a run: only what followed an
+        // error in one call.
+        let mut pending: VecDeque<KafkaResult<Fetched<'_>>> = VecDeque::new();
+        let mut run: Vec<Held<'_>> = Vec::with_capacity(RUN);
         let mut reads: Vec<Read> = Vec::with_capacity(RUN);
         let (mut taken, mut messages_read) = (0, 0);
         let mut whole = true;
+        let mut unread = None;
         loop {
             // No more than the batch has room for: the batch can fill only
             // at a run's last message, so nothing read is left over.
@@ -281,18 +316,26 @@ impl Reader {
             let most = RUN.min(room.max(1)).min(DRAIN_AT_MOST - taken);
             let mut failed = None;
             while run.len() < most {
-                let Some(result) = received
-                    .take()
-                    .or_else(|| messages.next().now_or_never().flatten())
-                else {
+                let next = match (received.take(), batches) {
+                    (Some(first), _) => Some(first),
+                    (None, Some(batches)) => {
+                        if pending.is_empty() {
+                            batches.take(most - run.len(), &mut pending);
+                        }
+                        pending.pop_front().map(|r| r.map(Held::Taken))
+                    }
+                    (None, None) => messages
+                        .next()
+                        .now_or_never()
+                        .flatten()
+                        .map(|r| r.map(Held::Woke)),
+                };
+                let Some(result) = next else {
                     break;
                 };
                 taken += 1;
                 match result {
-                    Ok(message) => {
-                        let timestamp = message.timestamp().to_millis().unwrap_or(0);
-                        run.push((message, timestamp));
-                    }
+                    Ok(message) => run.push(message),
                     Err(error) => {
                         // Sent after the messages before it are taken.
                         failed = Some(error);
@@ -305,21 +348,22 @@ impl Reader {
             {
                 let state = self.slot.lock();
                 let decoder = &self.reading.decoder;
-                reads.extend(run.iter().map(|(message, timestamp)| {
-                    intake::read(&state, decoder, message, *timestamp)
-                }));
+                reads.extend(
+                    run.iter()
+                        .map(|message| intake::read(&state, decoder, &message.record())),
+                );
             }
             let mut left = run.drain(..).zip(reads.drain(..));
-            for ((message, timestamp), message_read) in left.by_ref() {
+            for (message, message_read) in left.by_ref() {
                 if self.slot.stop.is_cancelled()
-                    || !self.one(&view, &message, timestamp, message_read).await
+                    || !self.one(&view, &message.record(), message_read).await
                 {
                     whole = false;
                     break;
                 }
             }
-            if let Some(((unread, _), _)) = left.next() {
-                self.read_again(unread.offset());
+            if let Some((message, _)) = left.next() {
+                unread = Some(message.record().offset);
             }
             drop(left);
             if let Some(error) = failed {
@@ -332,6 +376,20 @@ impl Reader {
                 whole = false;
                 break;
             }
+        }
+        // What was taken from the queue and not into a batch is read again.
+        for result in pending {
+            match result {
+                Ok(message) => {
+                    unread = unread.or(Some(message.offset()));
+                }
+                Err(error) => {
+                    let _ = self.reading.events.send(Event::Failed(error));
+                }
+            }
+        }
+        if let Some(offset) = unread {
+            self.read_again(offset);
         }
         metrics::messages_read(messages_read);
         whole
@@ -354,15 +412,9 @@ impl Reader {
 
     /// Takes one message, read by [`intake::read`]; `false` when the reader
     /// is to stop taking.
-    async fn one(
-        &mut self,
-        view: &View,
-        message: &BorrowedMessage<'_>,
-        timestamp: i64,
-        read: Read,
-    ) -> bool {
+    async fn one(&mut self, view: &View, message: &Record<'_>, read: Read) -> bool {
         let partition = self.partition;
-        let offset = message.offset();
+        let (offset, timestamp) = (message.offset, message.timestamp);
         let mut table = self.table.take().unwrap_or_else(|| view.watch.current());
         let reading = &self.reading;
         let take = |state: &mut Owned, table: &RouteTable, read: Read| {
@@ -371,7 +423,6 @@ impl Reader {
                 &view.groups,
                 &view.windows,
                 message,
-                timestamp,
                 read,
                 table,
                 reading.dead_letters.as_deref(),
