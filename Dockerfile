@@ -38,8 +38,10 @@ WORKDIR /src
 # Dependencies first, against placeholder sources: this layer is rebuilt only when the
 # manifests, the lock file, build.rs or the proto change. The lab is a member of the workspace,
 # so its manifest is needed to read the workspace, and its placeholder sources to load it.
+# tally-fetch (fetch/), the service's one crate of FFI, is a dependency like any other.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY lab/Cargo.toml lab/Cargo.toml
+COPY fetch fetch
 COPY proto proto
 RUN mkdir -p src/bin/tally lab/src lab/benches \
     && touch src/lib.rs lab/src/lib.rs \
