@@ -596,7 +596,7 @@ impl Pipeline {
     /// Stops every reader and waits for them: nothing enters a batch after.
     async fn stop_readers(&mut self) {
         for slot in self.owned.values() {
-            slot.stop.cancel();
+            slot.end();
         }
         for (_, reader) in self.readers.drain() {
             let _ = reader.await;

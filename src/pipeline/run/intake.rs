@@ -36,6 +36,7 @@
 //! reader, so no message it took before a seek is taken after it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -112,7 +113,10 @@ pub(super) struct Slot {
     /// Wakes the reader: a seek is asked for, or its batch has room again.
     pub(super) poke: Notify,
     /// Cancelled when the ownership ends: its reader stops.
-    pub(super) stop: CancellationToken,
+    stop: CancellationToken,
+    /// Set with `stop`: what the reader checks between two messages, a load
+    /// where the token's own check takes a lock.
+    ended: AtomicBool,
 }
 
 impl Slot {
@@ -121,7 +125,24 @@ impl Slot {
             state: Mutex::new(state),
             poke: Notify::new(),
             stop: CancellationToken::new(),
+            ended: AtomicBool::new(false),
         }
+    }
+
+    /// Ends the ownership: its reader stops.
+    pub(super) fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+        self.stop.cancel();
+    }
+
+    /// Whether the ownership has ended.
+    pub(super) fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    /// Completes when the ownership ends.
+    pub(super) async fn stopped(&self) {
+        self.stop.cancelled().await
     }
 
     /// The partition's state; a panic while it was held ends the process
@@ -287,7 +308,7 @@ pub(super) fn apply_changes(
                         );
                     }
                     if let Some(previous) = owned.insert(a.partition, Arc::new(Slot::new(state))) {
-                        previous.stop.cancel();
+                        previous.end();
                     }
                     assigned.push(a.partition);
                 }
@@ -295,7 +316,7 @@ pub(super) fn apply_changes(
             Rebalanced::Revoked(partitions) => {
                 for p in partitions {
                     if let Some(slot) = owned.remove(&p) {
-                        slot.stop.cancel();
+                        slot.end();
                         let mut state = slot.lock();
                         if let (Some(window), Some((origin, _))) =
                             (state.window.take(), state.known.as_ref())
@@ -318,7 +339,7 @@ pub(super) fn apply_changes(
                     metrics::dedupe_reread(p, Duration::ZERO, 0);
                 }
                 for (_, slot) in owned.drain() {
-                    slot.stop.cancel();
+                    slot.end();
                 }
                 assigned.clear();
                 health::unassigned();

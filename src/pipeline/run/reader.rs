@@ -203,7 +203,7 @@ impl Reader {
             let retry = retry_at.unwrap_or_else(Instant::now);
             tokio::select! {
                 biased;
-                _ = self.slot.stop.cancelled() => return,
+                _ = self.slot.stopped() => return,
                 _ = self.slot.poke.notified() => {}
                 _ = tokio::time::sleep_until(retry), if retry_at.is_some() => {}
                 Some(received) = messages.next(), if room => {
@@ -355,9 +355,7 @@ impl Reader {
             }
             let mut left = run.drain(..).zip(reads.drain(..));
             for (message, message_read) in left.by_ref() {
-                if self.slot.stop.is_cancelled()
-                    || !self.one(&view, &message.record(), message_read).await
-                {
+                if self.slot.ended() || !self.one(&view, &message.record(), message_read).await {
                     whole = false;
                     break;
                 }
@@ -401,7 +399,7 @@ impl Reader {
     /// length keeps the batch from filling before its end; this is the
     /// guard, not the way.
     fn read_again(&self, offset: i64) {
-        if self.slot.stop.is_cancelled() {
+        if self.slot.ended() {
             return;
         }
         let mut state = self.slot.lock();
@@ -446,7 +444,7 @@ impl Reader {
                 let mut watch = view.watch.clone();
                 let cluster = view.groups.is_cluster();
                 table = tokio::select! {
-                    _ = self.slot.stop.cancelled() => return false,
+                    _ = self.slot.stopped() => return false,
                     table = watch.route_for(partition, offset, timestamp, cluster) => table,
                 };
                 take(&mut self.slot.lock(), &table, read)
