@@ -377,20 +377,8 @@ pub(super) struct Record<'m> {
 }
 
 impl<'m> Record<'m> {
-    /// The parts of a message handed out by a poll of the consumer or of a
-    /// split queue.
+    /// The parts of a message handed out by a poll of the consumer.
     pub(super) fn of(message: &'m impl rdkafka::Message) -> Record<'m> {
-        Record {
-            partition: message.partition(),
-            offset: message.offset(),
-            timestamp: message.timestamp().to_millis().unwrap_or(0),
-            key: message.key(),
-            payload: message.payload(),
-        }
-    }
-
-    /// The parts of a message taken many a call from a split queue.
-    pub(super) fn fetched(message: &'m tally_fetch::Fetched<'_>) -> Record<'m> {
         Record {
             partition: message.partition(),
             offset: message.offset(),

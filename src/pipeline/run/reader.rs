@@ -40,6 +40,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
+use rdkafka::Message;
 use rdkafka::consumer::Consumer;
 use rdkafka::consumer::stream_consumer::MessageStream;
 use rdkafka::error::{KafkaError, KafkaResult};
@@ -118,10 +119,27 @@ enum Held<'q> {
 }
 
 impl Held<'_> {
-    fn record(&self) -> Record<'_> {
-        match self {
-            Held::Woke(message) => Record::of(message),
-            Held::Taken(message) => Record::fetched(message),
+    /// The message's timestamp in milliseconds, 0 when it has none: read
+    /// once, as the message joins a run.
+    fn timestamp(&self) -> i64 {
+        let timestamp = match self {
+            Held::Woke(message) => message.timestamp(),
+            Held::Taken(message) => message.timestamp(),
+        };
+        timestamp.to_millis().unwrap_or(0)
+    }
+
+    fn record(&self, timestamp: i64) -> Record<'_> {
+        let (partition, offset, key, payload) = match self {
+            Held::Woke(m) => (m.partition(), m.offset(), m.key(), m.payload()),
+            Held::Taken(m) => (m.partition(), m.offset(), m.key(), m.payload()),
+        };
+        Record {
+            partition,
+            offset,
+            timestamp,
+            key,
+            payload,
         }
     }
 }
@@ -301,7 +319,7 @@ impl Reader {
         // Taken from the queue and not yet into a run: only what followed an
         // error in one call.
         let mut pending: VecDeque<KafkaResult<Fetched<'_>>> = VecDeque::new();
-        let mut run: Vec<Held<'_>> = Vec::with_capacity(RUN);
+        let mut run: Vec<(Held<'_>, i64)> = Vec::with_capacity(RUN);
         let mut reads: Vec<Read> = Vec::with_capacity(RUN);
         let (mut taken, mut messages_read) = (0, 0);
         let mut whole = true;
@@ -335,7 +353,10 @@ impl Reader {
                 };
                 taken += 1;
                 match result {
-                    Ok(message) => run.push(message),
+                    Ok(message) => {
+                        let timestamp = message.timestamp();
+                        run.push((message, timestamp));
+                    }
                     Err(error) => {
                         // Sent after the messages before it are taken.
                         failed = Some(error);
@@ -350,18 +371,18 @@ impl Reader {
                 let decoder = &self.reading.decoder;
                 reads.extend(
                     run.iter()
-                        .map(|message| intake::read(&state, decoder, &message.record())),
+                        .map(|(message, at)| intake::read(&state, decoder, &message.record(*at))),
                 );
             }
             let mut left = run.drain(..).zip(reads.drain(..));
-            for (message, message_read) in left.by_ref() {
-                if self.slot.ended() || !self.one(&view, &message.record(), message_read).await {
+            for ((message, at), message_read) in left.by_ref() {
+                if self.slot.ended() || !self.one(&view, &message.record(at), message_read).await {
                     whole = false;
                     break;
                 }
             }
-            if let Some((message, _)) = left.next() {
-                unread = Some(message.record().offset);
+            if let Some(((message, at), _)) = left.next() {
+                unread = Some(message.record(at).offset);
             }
             drop(left);
             if let Some(error) = failed {
