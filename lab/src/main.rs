@@ -31,6 +31,12 @@ use tracing_subscriber::EnvFilter;
 
 use binaries::Tally;
 
+/// The allocator `tally` runs with (see its main.rs), so the raw and naive consumers the
+/// benchmarks measure it against allocate as it does.
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod bench;
 mod bench_memory;
 mod bench_reads;
