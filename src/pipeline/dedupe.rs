@@ -160,6 +160,9 @@ pub struct Window {
     /// Of the entries the table dropped, those [`Window::newly_forgotten`]
     /// has told.
     forgotten_told: u64,
+    /// Sweeps of the table made on entering a block.
+    #[cfg(test)]
+    sweeps: u64,
 }
 
 impl Window {
@@ -180,6 +183,8 @@ impl Window {
             blocks: [BlockStats::default(); LIVE],
             newest_ms: 0,
             forgotten_told: 0,
+            #[cfg(test)]
+            sweeps: 0,
         }
     }
 
@@ -328,17 +333,31 @@ impl Window {
             self.table.clear();
             self.blocks = [BlockStats::default(); LIVE];
         } else {
-            // Which caller's bytes (tag and action) have left: decided once
-            // per tag here rather than once per slot in the sweep.
-            let now_tag = now.rem_euclid(TAGS);
-            let mut keep = [false; 256];
-            for (byte, kept) in keep.iter_mut().enumerate() {
-                let age = (now_tag - (byte >> TAG_SHIFT) as i64).rem_euclid(TAGS);
-                *kept = age + gap <= BLOCKS;
+            // The blocks that leave are those `now + 1..=block` take the
+            // places of. An entry carries the block of the last record that
+            // set it, which that block counted: when the leaving blocks
+            // remembered nothing, the sweep would remove nothing. So a
+            // window that is not yet full (a fresh one, a re-read) sweeps
+            // nothing.
+            let place = |b: i64| b.rem_euclid(LIVE as i64) as usize;
+            let leaving = (now + 1..=block).any(|b| self.blocks[place(b)].remembered > 0);
+            if leaving {
+                // Which caller's bytes (tag and action) have left: decided
+                // once per tag here rather than once per slot in the sweep.
+                let now_tag = now.rem_euclid(TAGS);
+                let mut keep = [false; 256];
+                for (byte, kept) in keep.iter_mut().enumerate() {
+                    let age = (now_tag - (byte >> TAG_SHIFT) as i64).rem_euclid(TAGS);
+                    *kept = age + gap <= BLOCKS;
+                }
+                self.table.retain(|byte| keep[usize::from(byte)]);
+                #[cfg(test)]
+                {
+                    self.sweeps += 1;
+                }
             }
-            self.table.retain(|byte| keep[usize::from(byte)]);
             for b in now + 1..=block {
-                self.blocks[b.rem_euclid(LIVE as i64) as usize] = BlockStats::default();
+                self.blocks[place(b)] = BlockStats::default();
             }
         }
         self.block = Some(block);
@@ -644,6 +663,42 @@ mod tests {
             let verdicts = decide(s, 0, &[(4, l, Some(1)), (repeat_at, l, Some(1))]);
             assert_eq!(verdicts, [(4, None), (repeat_at, expected)], "{repeat_at}");
         }
+    }
+
+    #[test]
+    fn a_block_leaving_the_window_is_swept_only_when_it_left_entries() {
+        // 16 offsets, blocks of 2, nine blocks live.
+        let s = settings(DedupeMode::Ids, 16);
+        let l = like(7, 9, 1);
+        let mut window = Window::new(s, Some(0));
+        let mut show = |window: &mut Window, o: i64| {
+            window.observe(o, 0, &l, Some(id(o as u64)));
+        };
+        // A window filling up: no block has left yet.
+        for o in 0..18 {
+            show(&mut window, o);
+        }
+        assert_eq!(window.sweeps, 0);
+        // Blocks 9 and 10 push out blocks 0 and 1, which held records.
+        for o in 18..22 {
+            show(&mut window, o);
+        }
+        assert_eq!(window.sweeps, 2);
+        // Blocks 11 to 19 of bad messages push out blocks 2 to 10.
+        for o in 22..40 {
+            window.pass(o);
+        }
+        assert_eq!(window.sweeps, 11);
+        assert!(window.is_empty());
+        // Block 20 pushes out block 11, which remembered nothing.
+        show(&mut window, 40);
+        assert_eq!(window.sweeps, 11);
+        // A re-read starting anywhere fills up first as well.
+        let mut reread = Window::new(s, Some(1_000));
+        for o in 1_000..1_018 {
+            show(&mut reread, o);
+        }
+        assert_eq!(reread.sweeps, 0);
     }
 
     #[test]

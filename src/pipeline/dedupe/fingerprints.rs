@@ -496,38 +496,61 @@ impl Fingerprints {
     /// home. Entries of a cluster lie in the order of their homes (the Robin
     /// Hood order), so the moved ones keep that order, and no slot is
     /// visited more than twice however many entries leave.
-    pub(super) fn retain(&mut self, mut keep: impl FnMut(Byte) -> bool) {
+    ///
+    /// The pass goes a cache line at a time. A line with no entry to remove
+    /// and no hole left before it by a removal stays as it is, and is
+    /// passed over after one test of its eight bytes, with no branch per
+    /// slot; only the other lines are walked slot by slot. A window's sweep
+    /// removes one block's entries in nine, so most lines are passed over.
+    pub(super) fn retain(&mut self, keep: impl Fn(Byte) -> bool) {
         let slots: &mut [u64] = &mut self.slots;
         let size = slots.len();
         // A cluster never wraps past an empty slot: start after one.
         let Some(start) = slots.iter().position(|&e| e == 0) else {
             return;
         };
+        let leaves = |entry: u64| (entry != 0) & !keep((entry & USER_MASK) as Byte);
         let mut removed = 0;
         // Positions are counted from `start` on without wrapping, so that a
-        // cluster running over the table's end stays in order.
+        // cluster running over the table's end stays in order. Every slot
+        // before `free` is settled; `free == at` when no hole waits behind
+        // the slot at `at`.
+        let end = start + size;
         let mut free = start + 1;
-        let mut i = start;
-        for at in start + 1..start + size {
-            i = if i + 1 == size { 0 } else { i + 1 };
-            let entry = slots[i];
-            if entry == 0 {
-                free = at + 1;
+        let mut at = start + 1;
+        while at < end {
+            let first = if at >= size { at - size } else { at };
+            // The slots from `at` up to the line's end, short of the table's
+            // end and of the pass's.
+            let line = SLOTS_A_LINE.min(end - at).min(size - first);
+            let slots_of_line = &slots[first..first + line];
+            if free == at
+                && line == SLOTS_A_LINE
+                && !slots_of_line.iter().fold(false, |any, &e| any | leaves(e))
+            {
+                at += line;
+                free = at;
                 continue;
             }
-            if !keep((entry & USER_MASK) as Byte) {
-                slots[i] = 0;
-                removed += 1;
-                continue;
-            }
-            let home = at - distance_of(entry) as usize;
-            let to = home.max(free);
-            free = to + 1;
-            if to != at {
-                slots[i] = 0;
-                let j = if to >= size { to - size } else { to };
-                let distance = (to - home) as u64;
-                slots[j] = (entry & !DISTANCE_MASK) | (distance << DISTANCE_SHIFT);
+            for i in first..first + line {
+                let entry = slots[i];
+                if entry == 0 {
+                    free = at + 1;
+                } else if leaves(entry) {
+                    slots[i] = 0;
+                    removed += 1;
+                } else {
+                    let home = at - distance_of(entry) as usize;
+                    let to = home.max(free);
+                    free = to + 1;
+                    if to != at {
+                        slots[i] = 0;
+                        let j = if to >= size { to - size } else { to };
+                        let distance = (to - home) as u64;
+                        slots[j] = (entry & !DISTANCE_MASK) | (distance << DISTANCE_SHIFT);
+                    }
+                }
+                at += 1;
             }
         }
         self.len -= removed;
