@@ -671,7 +671,7 @@ mod tests {
         let s = settings(DedupeMode::Ids, 16);
         let l = like(7, 9, 1);
         let mut window = Window::new(s, Some(0));
-        let mut show = |window: &mut Window, o: i64| {
+        let show = |window: &mut Window, o: i64| {
             window.observe(o, 0, &l, Some(id(o as u64)));
         };
         // A window filling up: no block has left yet.
