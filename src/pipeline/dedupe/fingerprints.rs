@@ -501,7 +501,8 @@ impl Fingerprints {
     /// and no hole left before it by a removal stays as it is, and is
     /// passed over after one test of its eight bytes, with no branch per
     /// slot; only the other lines are walked slot by slot. A window's sweep
-    /// removes one block's entries in nine, so most lines are passed over.
+    /// removes one block's entries in nine, so at its loads about half the
+    /// lines (`ids-and-actions`) to two thirds (`ids`) are passed over.
     pub(super) fn retain(&mut self, keep: impl Fn(Byte) -> bool) {
         let slots: &mut [u64] = &mut self.slots;
         let size = slots.len();
