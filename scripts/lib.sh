@@ -104,10 +104,13 @@ ensure_wrk() {
     say "installed $(wrk --version 2>&1 | head -n 1)"
 }
 
-# Installs what building tally needs beyond Rust: librdkafka is compiled with TLS and SCRAM
+# Installs what building tally needs beyond Rust: librdkafka and jemalloc are compiled from
+# source by their crates' build scripts (make and a C compiler), librdkafka with TLS and SCRAM
 # support (rdkafka's `ssl` feature), which links the system's OpenSSL, found with pkg-config.
 ensure_build_deps() {
     local missing=()
+    command -v make >/dev/null 2>&1 || missing+=(make)
+    command -v cc >/dev/null 2>&1 || missing+=(gcc)
     command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
     if ! pkg-config --exists openssl 2>/dev/null; then
         missing+=(libssl-dev)
@@ -115,7 +118,7 @@ ensure_build_deps() {
     if [ "${#missing[@]}" -eq 0 ]; then
         return
     fi
-    say "building librdkafka with TLS needs ${missing[*]}: installing with apt-get"
+    say "building librdkafka with TLS, and jemalloc, needs ${missing[*]}: installing with apt-get"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
