@@ -12,7 +12,12 @@
 //! * one hourly window alone (its counts and its leaders), no counter;
 //! * the counters and the hourly window in one call, as `tally run
 //!   --windows=1h` sends them;
-//! * the counters and three windows (1m, 1h, 1d) in one call.
+//! * the counters and three windows (1m, 1h, 1d) in one call;
+//! * the same four in the packed layout (`--layout packed`, its hashes sized
+//!   for `--posts` counters at the default fields per hash), whose counters
+//!   are hash fields written with `HINCRBY` as a window's counts are.
+//!
+//! A case's ratio is against the counters alone of its own layout.
 //!
 //! Each case's cost is `used_cpu_user + used_cpu_sys` of the server around
 //! its calls, per post of the batch. The cases take turns call by call, in an
@@ -27,6 +32,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use rustc_hash::FxHashMap;
+use tally::domain::packing::{DEFAULT_PACKED_FIELDS, Packed, Packing};
 use tally::domain::routing::{CounterId, KeyLayout};
 use tally::domain::windows::Windows;
 use tally::infra::config::windows::{DEFAULT_LATENESS_MS, DEFAULT_RETENTION_MS, WindowSettings};
@@ -90,38 +96,78 @@ impl BenchWindowsConfig {
 const BEGIN: &str = "<!-- windows:begin (written by `tally-lab bench-windows --out`) -->";
 const END: &str = "<!-- windows:end -->";
 
-/// One case: whether the call holds the posts' counters, and the windows it keeps.
+/// One case: its counters' layout, whether the call holds the posts'
+/// counters, and the windows it keeps.
 struct Case {
     label: &'static str,
+    packed: bool,
     counters: bool,
     windows: &'static [u64],
 }
 
 const HOUR: u64 = 3_600_000;
 
-/// The cases, in the order of the report; the first is what the others are divided by.
-const CASES: [Case; 4] = [
+/// The cases, in the order of the report; the first of each layout is what
+/// that layout's others are divided by.
+const CASES: [Case; 8] = [
     Case {
         label: "lifetime counters alone",
+        packed: false,
         counters: true,
         windows: &[],
     },
     Case {
         label: "one window (1h) alone",
+        packed: false,
         counters: false,
         windows: &[HOUR],
     },
     Case {
         label: "counters and one window (1h)",
+        packed: false,
         counters: true,
         windows: &[HOUR],
     },
     Case {
         label: "counters and three windows (1m, 1h, 1d)",
+        packed: false,
+        counters: true,
+        windows: &[60_000, HOUR, 24 * HOUR],
+    },
+    Case {
+        label: "packed: lifetime counters alone",
+        packed: true,
+        counters: true,
+        windows: &[],
+    },
+    Case {
+        label: "packed: one window (1h) alone",
+        packed: true,
+        counters: false,
+        windows: &[HOUR],
+    },
+    Case {
+        label: "packed: counters and one window (1h)",
+        packed: true,
+        counters: true,
+        windows: &[HOUR],
+    },
+    Case {
+        label: "packed: counters and three windows (1m, 1h, 1d)",
+        packed: true,
         counters: true,
         windows: &[60_000, HOUR, 24 * HOUR],
     },
 ];
+
+/// The index of the case a case's ratio is taken against: the counters
+/// alone of its layout.
+fn base_of(case: &Case) -> usize {
+    CASES
+        .iter()
+        .position(|c| c.packed == case.packed && c.counters && c.windows.is_empty())
+        .expect("each layout has a case of counters alone")
+}
 
 /// One batch netted per post: `(post, delta)`, zeros dropped, sorted by delta then post.
 fn net(events: impl Iterator<Item = (u64, i64)>) -> Vec<(u64, i64)> {
@@ -143,15 +189,19 @@ struct Sender {
 }
 
 impl Sender {
-    fn new(conn: &mut redis::Connection, case: &Case, index: usize) -> Result<Self> {
+    fn new(conn: &mut redis::Connection, case: &Case, index: usize, posts: u64) -> Result<Self> {
         let settings = WindowSettings::new(
             case.windows.to_vec(),
             DEFAULT_LATENESS_MS,
             DEFAULT_RETENTION_MS,
         )
         .map_err(anyhow::Error::msg)?;
-        let layout =
+        let mut layout =
             KeyLayout::new(format!("bw{index}")).with_windows(Windows::from_settings(&settings));
+        if case.packed {
+            let packed = Packed::sized(posts, DEFAULT_PACKED_FIELDS, 1);
+            layout = layout.with_packing(Packing::Packed(packed));
+        }
         let sha = redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(script_text(&layout))
@@ -273,7 +323,7 @@ fn measure(config: &BenchWindowsConfig, url: &str) -> Result<Measured> {
     let mut senders = CASES
         .iter()
         .enumerate()
-        .map(|(i, case)| Sender::new(&mut conn, case, i))
+        .map(|(i, case)| Sender::new(&mut conn, case, i, config.posts))
         .collect::<Result<Vec<_>>>()?;
     let shape = TrafficShape {
         posts: config.posts,
@@ -337,8 +387,9 @@ fn render(config: &BenchWindowsConfig, measured: &[Measured]) -> Result<String> 
         out,
         "Date: {}. Zipf (s = {}) over {} posts; batches of {} events netted per post (about {} posts \
          a call), {} unmeasured first, then {} rounds of {} calls of every case, the cases taking \
-         turns call by call. Server CPU per post of the batch; ratios are against the counters alone \
-         on the same store.\n",
+         turns call by call; the packed cases' hashes are sized for {} counters at {} fields a hash. \
+         Server CPU per post of the batch; ratios are against the counters alone of the same \
+         layout on the same store.\n",
         today_utc(),
         config.zipf,
         thousands(config.posts),
@@ -347,6 +398,8 @@ fn render(config: &BenchWindowsConfig, measured: &[Measured]) -> Result<String> 
         config.warm_calls,
         config.rounds,
         config.calls,
+        thousands(config.posts),
+        DEFAULT_PACKED_FIELDS,
     )?;
     writeln!(
         out,
@@ -365,7 +418,7 @@ fn render(config: &BenchWindowsConfig, measured: &[Measured]) -> Result<String> 
                 case.label,
                 values.first().copied().unwrap_or(f64::NAN),
                 values.last().copied().unwrap_or(f64::NAN),
-                med / medians[0]
+                med / medians[base_of(case)]
             )?;
         }
     }
