@@ -181,26 +181,34 @@ impl Decoder {
     /// it is routed by. What `tally run` counts and what `tally verify`
     /// recounts, by the same rules.
     pub fn event(&self, payload: Option<&[u8]>, timestamp_ms: i64) -> Result<Like, BadReason> {
-        self.identified(payload, timestamp_ms).map(|(like, _)| like)
+        let (like, _) = self.decode_event(payload, false)?;
+        check_timestamp(timestamp_ms)?;
+        Ok(like)
     }
 
-    /// [`Decoder::event`], with the event's id when it carries one.
+    /// [`Decoder::event`], with the event's id when it carries one. Only
+    /// dedupe reads the id: [`Decoder::event`] leaves it unhashed.
     pub fn identified(
         &self,
         payload: Option<&[u8]>,
         timestamp_ms: i64,
     ) -> Result<(Like, Option<EventId>), BadReason> {
-        let event = self.decode_event(payload)?;
+        let event = self.decode_event(payload, true)?;
         check_timestamp(timestamp_ms)?;
         Ok(event)
     }
 
     /// Decodes and validates one message value.
     pub fn decode(&self, payload: Option<&[u8]>) -> Result<Like, BadReason> {
-        self.decode_event(payload).map(|(like, _)| like)
+        self.decode_event(payload, false).map(|(like, _)| like)
     }
 
-    fn decode_event(&self, payload: Option<&[u8]>) -> Result<(Like, Option<EventId>), BadReason> {
+    /// The event, and its id when `with_id` and it carries one.
+    fn decode_event(
+        &self,
+        payload: Option<&[u8]>,
+        with_id: bool,
+    ) -> Result<(Like, Option<EventId>), BadReason> {
         let bytes = payload.ok_or(BadReason::Empty)?;
         let protobuf = match bytes.split_first() {
             Some((&MAGIC_BYTE, framed)) => self.unframe(framed)?,
@@ -209,7 +217,8 @@ impl Decoder {
         SCRATCH.with_borrow_mut(|event| {
             event.clear();
             event.merge(protobuf).map_err(|_| BadReason::Undecodable)?;
-            let id = (!event.event_id.is_empty()).then(|| EventId::of(event.event_id.as_bytes()));
+            let id = (with_id && !event.event_id.is_empty())
+                .then(|| EventId::of(event.event_id.as_bytes()));
             Ok((validate(event)?, id))
         })
     }

@@ -395,7 +395,13 @@ impl<'m> Record<'m> {
 /// overlap. Nothing of the partition's state changes: what the message does
 /// is decided by [`accept`], in offset order.
 pub(super) fn read(state: &Owned, decoder: &Decoder, message: &Record<'_>) -> Read {
-    let decoded = decoder.identified(message.payload, message.timestamp);
+    // Only a dedupe window reads the event's id.
+    let decoded = match state.window {
+        Some(_) => decoder.identified(message.payload, message.timestamp),
+        None => decoder
+            .event(message.payload, message.timestamp)
+            .map(|like| (like, None)),
+    };
     let keys = match (&decoded, state.window.as_ref()) {
         (Ok((like, id)), Some(window)) => {
             let keys = window.keys(like, *id);
