@@ -430,6 +430,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_case_is_divided_by_the_counters_alone_of_its_own_layout() {
+        for case in &CASES {
+            let base = &CASES[base_of(case)];
+            assert_eq!(base.packed, case.packed, "{}", case.label);
+            assert!(base.counters && base.windows.is_empty(), "{}", case.label);
+        }
+        assert_ne!(base_of(&CASES[0]), base_of(&CASES[CASES.len() - 1]));
+    }
+
+    #[test]
     fn a_batch_is_netted_per_post_without_zeros_and_sorted_by_delta() {
         let events = [(5, 1), (3, 1), (5, 1), (9, -1), (3, -1), (7, 1), (9, -1)];
         assert_eq!(net(events.into_iter()), vec![(9, -2), (7, 1), (5, 2)]);
