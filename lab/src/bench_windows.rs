@@ -96,76 +96,85 @@ impl BenchWindowsConfig {
 const BEGIN: &str = "<!-- windows:begin (written by `tally-lab bench-windows --out`) -->";
 const END: &str = "<!-- windows:end -->";
 
-/// One case: its counters' layout, whether the call holds the posts'
-/// counters, and the windows it keeps.
-struct Case {
+/// What one call holds: the posts' counters or not, and the windows it keeps.
+struct Shape {
     label: &'static str,
-    packed: bool,
     counters: bool,
     windows: &'static [u64],
 }
 
 const HOUR: u64 = 3_600_000;
 
-/// The cases, in the order of the report; the first of each layout is what
-/// that layout's others are divided by.
-const CASES: [Case; 8] = [
-    Case {
+/// The shapes, in the order of the report within a layout; the first is what
+/// the layout's others are divided by.
+const SHAPES: [Shape; 4] = [
+    Shape {
         label: "lifetime counters alone",
-        packed: false,
         counters: true,
         windows: &[],
     },
-    Case {
+    Shape {
         label: "one window (1h) alone",
-        packed: false,
         counters: false,
         windows: &[HOUR],
     },
-    Case {
+    Shape {
         label: "counters and one window (1h)",
-        packed: false,
         counters: true,
         windows: &[HOUR],
     },
-    Case {
+    Shape {
         label: "counters and three windows (1m, 1h, 1d)",
-        packed: false,
-        counters: true,
-        windows: &[60_000, HOUR, 24 * HOUR],
-    },
-    Case {
-        label: "packed: lifetime counters alone",
-        packed: true,
-        counters: true,
-        windows: &[],
-    },
-    Case {
-        label: "packed: one window (1h) alone",
-        packed: true,
-        counters: false,
-        windows: &[HOUR],
-    },
-    Case {
-        label: "packed: counters and one window (1h)",
-        packed: true,
-        counters: true,
-        windows: &[HOUR],
-    },
-    Case {
-        label: "packed: counters and three windows (1m, 1h, 1d)",
-        packed: true,
         counters: true,
         windows: &[60_000, HOUR, 24 * HOUR],
     },
 ];
+
+/// One case: a shape, its counters as string keys or packed.
+#[derive(Clone, Copy)]
+struct Case {
+    packed: bool,
+    /// The index of its shape in [`SHAPES`].
+    shape: usize,
+}
+
+impl Case {
+    fn shape(&self) -> &'static Shape {
+        &SHAPES[self.shape]
+    }
+
+    fn label(&self) -> String {
+        match self.packed {
+            true => format!("packed: {}", self.shape().label),
+            false => self.shape().label.to_string(),
+        }
+    }
+}
+
+/// Every shape in the string layout, then every shape packed: the order of
+/// the report.
+const CASES: [Case; 2 * SHAPES.len()] = {
+    let mut cases = [Case {
+        packed: false,
+        shape: 0,
+    }; 2 * SHAPES.len()];
+    let mut i = 0;
+    while i < cases.len() {
+        cases[i] = Case {
+            packed: i >= SHAPES.len(),
+            shape: i % SHAPES.len(),
+        };
+        i += 1;
+    }
+    cases
+};
 
 /// The index of the case a case's ratio is taken against: the counters
 /// alone of its layout.
 fn base_of(case: &Case) -> usize {
     CASES
         .iter()
-        .position(|c| c.packed == case.packed && c.counters && c.windows.is_empty())
+        .position(|c| c.packed == case.packed && c.shape().counters && c.shape().windows.is_empty())
         .expect("each layout has a case of counters alone")
 }
 
@@ -191,7 +200,7 @@ struct Sender {
 impl Sender {
     fn new(conn: &mut redis::Connection, case: &Case, index: usize, posts: u64) -> Result<Self> {
         let settings = WindowSettings::new(
-            case.windows.to_vec(),
+            case.shape().windows.to_vec(),
             DEFAULT_LATENESS_MS,
             DEFAULT_RETENTION_MS,
         )
@@ -222,14 +231,14 @@ impl Sender {
         now_ms: i64,
     ) -> Result<()> {
         self.made += 1;
-        let deltas = match case.counters {
+        let deltas = match case.shape().counters {
             true => cells
                 .iter()
                 .map(|&(post, delta)| (CounterId::v0(post, 0), delta))
                 .collect(),
             false => Vec::new(),
         };
-        let mut windows = Vec::with_capacity(cells.len() * case.windows.len());
+        let mut windows = Vec::with_capacity(cells.len() * case.shape().windows.len());
         for (i, size) in self.layout.windows().sizes().iter().enumerate() {
             let start = size.start_of(now_ms);
             let size = u8::try_from(i).expect("at most eight windows");
@@ -415,7 +424,7 @@ fn render(config: &BenchWindowsConfig, measured: &[Measured]) -> Result<String> 
                 out,
                 "| {} | {} | {med:.2} | {:.2} – {:.2} | {:.2}× |",
                 m.store,
-                case.label,
+                case.label(),
                 values.first().copied().unwrap_or(f64::NAN),
                 values.last().copied().unwrap_or(f64::NAN),
                 med / medians[base_of(case)]
@@ -433,8 +442,13 @@ mod tests {
     fn each_case_is_divided_by_the_counters_alone_of_its_own_layout() {
         for case in &CASES {
             let base = &CASES[base_of(case)];
-            assert_eq!(base.packed, case.packed, "{}", case.label);
-            assert!(base.counters && base.windows.is_empty(), "{}", case.label);
+            assert_eq!(base.packed, case.packed, "{}", case.label());
+            let shape = base.shape();
+            assert!(
+                shape.counters && shape.windows.is_empty(),
+                "{}",
+                case.label()
+            );
         }
         assert_ne!(base_of(&CASES[0]), base_of(&CASES[CASES.len() - 1]));
     }
