@@ -16,27 +16,11 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-/// The lab's binary, `tally-lab`, beside the `tally` cargo built for these tests: it belongs to
-/// another package of the workspace, whose binaries cargo builds for its own tests only
-/// (scripts/test builds it before the tests run).
-fn lab_bin() -> PathBuf {
-    let tally = Path::new(env!("CARGO_BIN_EXE_tally"));
-    let lab = tally.with_file_name("tally-lab");
-    let release = tally.parent().is_some_and(|dir| dir.ends_with("release"));
-    assert!(
-        lab.is_file(),
-        "{} is missing: build it first with `cargo build -p tally-lab{}`",
-        lab.display(),
-        if release { " --release" } else { "" }
-    );
-    lab
-}
-
 #[test]
 fn ctrl_c_stops_the_demo_after_its_final_check() {
     common::require_kafka();
     // The demo in a process group of its own, as a shell puts a foreground job.
-    let mut demo = Command::new(lab_bin());
+    let mut demo = Command::new(common::lab_bin());
     demo.args([
         "demo",
         "--rate",
@@ -143,7 +127,7 @@ fn ctrl_c_stops_the_demo_after_its_final_check() {
 fn a_signal_stops_the_bench_with_everything_it_started() {
     common::require_kafka();
     let tally = Path::new(env!("CARGO_BIN_EXE_tally"));
-    let mut bench = Command::new(lab_bin());
+    let mut bench = Command::new(common::lab_bin());
     bench
         .arg("--tally-bin")
         .arg(tally)

@@ -30,8 +30,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rand::rngs::SmallRng;
 use rand::{Rng as _, SeedableRng as _};
-use tally::domain::routing::KeyLayout;
-use tally::pipeline::apply::APPLY_LUA;
+use tally::domain::routing::{CounterId, KeyLayout};
+use tally::pipeline::apply::{APPLY_LUA, Prepared, ScriptBody, script_call};
 
 use crate::bench::services::RedisSnapshot;
 use crate::local::start_redis;
@@ -82,7 +82,8 @@ const PREFIX: &str = "writes";
 /// `INCR`s per pipeline of the naive case: `tally-lab bench`'s poll batch.
 const PIPELINE: usize = crate::bench::NAIVE_POLL_BATCH;
 
-/// A script with `apply.lua`'s fence read and write that touches no counter.
+/// A script with `apply.lua`'s fence read and write that touches no counter;
+/// it takes `apply.lua`'s arguments.
 const KEYS_ONLY_LUA: &str = "local f = redis.call('GET', KEYS[1])\n\
      redis.call('SET', KEYS[1], ARGV[2])\n\
      return {0, tonumber(f or ARGV[3])}";
@@ -157,31 +158,29 @@ struct Bench {
     rng: SmallRng,
     counters: u64,
     keys: u64,
-    /// The warm calls' counters.
-    warm: Vec<String>,
+    /// The warm calls' posts.
+    warm: Vec<u64>,
     /// Calls made so far, for a fence key of each call's own.
     made: u64,
 }
 
 impl Bench {
-    /// The key names of one call.
-    fn names(&mut self, keys: Keys) -> Vec<String> {
+    /// The posts whose counters one call names.
+    fn posts(&mut self, keys: Keys) -> Vec<u64> {
         match keys {
             Keys::Warm => self.warm.clone(),
             Keys::Cold => (0..self.keys)
-                .map(|_| {
-                    let post = self.rng.random_range(1..=self.counters);
-                    self.layout.counter_key(post, 0)
-                })
+                .map(|_| self.rng.random_range(1..=self.counters))
                 .collect(),
         }
     }
 
     /// One call; returns the counters it wrote (or named).
     fn call(&mut self, write: Write, keys: Keys) -> Result<u64> {
-        let names = self.names(keys);
+        let posts = self.posts(keys);
         self.made += 1;
         let fence = format!("{PREFIX}:fence:{}", self.made);
+        let name = |post: &u64| self.layout.counter_key(*post, 0);
         match write {
             Write::Script | Write::KeysOnly => {
                 let sha = if write == Write::Script {
@@ -189,12 +188,20 @@ impl Bench {
                 } else {
                     &self.keys_only_sha
                 };
-                let mut cmd = redis::cmd("EVALSHA");
-                cmd.arg(sha).arg(names.len() + 1).arg(&fence);
-                cmd.arg(names.as_slice());
-                // start, last, the fence when absent, then one run of +1 over every key.
-                cmd.arg(1).arg(100).arg(0).arg(1).arg(names.len());
-                let reply: Vec<redis::Value> = cmd.query(&mut self.conn)?;
+                // The arguments `tally run` sends: offsets 1..=100 over a
+                // fence that is absent, +1 on every counter, no window.
+                let prepared = Prepared {
+                    partition: 0,
+                    group: 0,
+                    start: 1,
+                    last: 100,
+                    absent_fence: 0,
+                    deltas: posts.iter().map(|&p| (CounterId::v0(p, 0), 1)).collect(),
+                    windows: Vec::new(),
+                };
+                let reply: Vec<redis::Value> =
+                    script_call(ScriptBody::ByHash(sha), &self.layout, &fence, &prepared)
+                        .query(&mut self.conn)?;
                 if !matches!(reply.first(), Some(redis::Value::Int(0))) {
                     bail!("the script did not apply: {reply:?}");
                 }
@@ -202,23 +209,23 @@ impl Bench {
             Write::Transaction => {
                 let mut pipe = redis::pipe();
                 pipe.atomic();
-                for name in &names {
-                    pipe.cmd("INCRBY").arg(name).arg(1).ignore();
+                for post in &posts {
+                    pipe.cmd("INCRBY").arg(name(post)).arg(1).ignore();
                 }
                 pipe.cmd("SET").arg(&fence).arg(100).ignore();
                 pipe.query::<()>(&mut self.conn)?;
             }
             Write::Pipelined => {
-                for chunk in names.chunks(PIPELINE) {
+                for chunk in posts.chunks(PIPELINE) {
                     let mut pipe = redis::pipe();
-                    for name in chunk {
-                        pipe.cmd("INCR").arg(name).ignore();
+                    for post in chunk {
+                        pipe.cmd("INCR").arg(name(post)).ignore();
                     }
                     pipe.query::<()>(&mut self.conn)?;
                 }
             }
         }
-        Ok(names.len() as u64)
+        Ok(posts.len() as u64)
     }
 }
 
@@ -262,7 +269,7 @@ fn bench_blocking(config: &BenchWritesConfig) -> Result<()> {
     let keys_only_sha = load(&mut conn, KEYS_ONLY_LUA)?;
     let mut rng = SmallRng::seed_from_u64(42);
     let warm = (0..config.keys)
-        .map(|_| layout.counter_key(rng.random_range(1..=config.counters), 0))
+        .map(|_| rng.random_range(1..=config.counters))
         .collect();
     let mut bench = Bench {
         conn,

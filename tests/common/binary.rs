@@ -373,3 +373,19 @@ impl Drop for Tally {
         }
     }
 }
+
+/// The lab's binary, `tally-lab`, beside the `tally` cargo built for these tests: it belongs to
+/// another package of the workspace, whose binaries cargo builds for its own tests only
+/// (scripts/test builds it before the tests run).
+pub fn lab_bin() -> PathBuf {
+    let tally = Path::new(env!("CARGO_BIN_EXE_tally"));
+    let lab = tally.with_file_name("tally-lab");
+    let release = tally.parent().is_some_and(|dir| dir.ends_with("release"));
+    assert!(
+        lab.is_file(),
+        "{} is missing: build it first with `cargo build -p tally-lab{}`",
+        lab.display(),
+        if release { " --release" } else { "" }
+    );
+    lab
+}
