@@ -22,7 +22,7 @@ use rustc_hash::FxHashMap;
 
 use super::Env;
 use super::peer_records::{long, partition_of};
-use super::services::{redis_conn, seal};
+use super::services::{busy_share, machine_ticks, redis_conn, seal};
 use crate::produce::{Marker, Plan, Summary, progress_bar, send};
 use tally_lab::generate::TrafficShape;
 
@@ -45,6 +45,10 @@ pub(super) struct Latency {
     /// marker, and its produce-to-visible time in milliseconds. With the phase's samples these
     /// say whether a p99 comes from one stall or from a spread.
     pub slowest: [(f64, f64); SLOWEST],
+    /// The share of the machine's cores busy (every process: the producer, the broker, the
+    /// store and tally) while the phase produced. Near 1, the tail is the machine's queue for
+    /// a core more than anything of tally's.
+    pub busy: Option<f64>,
 }
 
 /// How many of the slowest marker likes a [`Latency`] keeps.
@@ -206,6 +210,7 @@ pub(super) fn timed_phase(
         marker: Some(marker),
     };
     let bar = progress_bar(Some(rate * secs), "latency phase");
+    let ticks = machine_ticks();
     let produced = send(
         &env.brokers,
         topic,
@@ -214,6 +219,7 @@ pub(super) fn timed_phase(
         &AtomicBool::new(false),
         &bar,
     );
+    let busy = busy_share(ticks, machine_ticks());
     if let Ok(summary) = &produced {
         want.store(summary.marker_acks.len() as u64, Ordering::Relaxed);
     }
@@ -272,6 +278,7 @@ pub(super) fn timed_phase(
         samples: ms.len(),
         events: summary.acked + sealed,
         slowest,
+        busy,
     })
 }
 

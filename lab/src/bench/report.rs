@@ -393,6 +393,14 @@ fn tally_details(out: &mut String, config: &BenchConfig, o: &Outcome) -> std::fm
             "Slowest marker likes (sent at: seconds after the first marker): {}.",
             slowest.join(", ")
         )?;
+        if let Some(busy) = l.busy {
+            writeln!(
+                out,
+                "The machine's cores were busy (every process: producer, broker, store, tally) \
+                 {} of the phase.",
+                percent(busy)
+            )?;
+        }
     }
     if !o.tally.stages.is_empty() {
         let parts: Vec<String> = o
