@@ -1,6 +1,6 @@
-//! The lab's benchmarks that drive `apply.lua` themselves (`tally-lab bench-writes` and
-//! `tally-lab bench-windows`) run through on a real redis-server: they send the script the
-//! arguments `tally run` sends, so a change to those arguments that leaves a benchmark behind
+//! The lab's benchmarks that call the apply script themselves (`tally-lab bench-writes`,
+//! `bench-windows` and `bench-memory`) run through on a real redis-server: they send the script
+//! the arguments `tally run` sends, so a change to those arguments that leaves a benchmark behind
 //! fails here and not in the middle of `scripts/bench`.
 
 mod common;
@@ -69,5 +69,26 @@ fn bench_windows_measures_every_case() {
     assert!(
         report.contains("counters") && report.contains("packed"),
         "no table of both layouts:\n{report}"
+    );
+}
+
+#[test]
+fn bench_memory_measures_both_layouts() {
+    // Fails with the install command when redis-server is missing.
+    common::Store::Redis.server_bin();
+    let report = lab(&[
+        "bench-memory",
+        "--counters",
+        "20000",
+        "--fields",
+        "64",
+        "--keys",
+        "500",
+        "--calls",
+        "2",
+    ]);
+    assert!(
+        report.contains("| strings |") && report.contains("| packed | 64 |"),
+        "no rows for both layouts:\n{report}"
     );
 }

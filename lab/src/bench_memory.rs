@@ -36,11 +36,12 @@ use rand::rngs::SmallRng;
 use rand::{Rng as _, SeedableRng as _};
 use tally::domain::packing::{MAX_PACKED_FIELDS, Packed, Packing};
 use tally::domain::routing::{CounterId, KeyLayout};
-use tally::pipeline::apply::{Prepared, ScriptBody, script_call, script_text};
+use tally::pipeline::apply::script_text;
 
 use crate::bench::services::RedisSnapshot;
 use crate::local::{Service, start_redis, start_store};
 use crate::markdown::{command_line, header, publish, ratio, thousands, today_utc};
+use crate::script_call::apply_once;
 
 /// Settings of `tally-lab bench-memory`.
 #[derive(Debug, Clone, Args)]
@@ -341,27 +342,14 @@ fn measure(
     let mut rng = SmallRng::seed_from_u64(CALLS_SEED);
     let mut call = |conn: &mut redis::Connection, n: u64| -> Result<u64> {
         let drawn = rand::seq::index::sample(&mut rng, posts.len(), config.keys as usize);
-        let prepared = Prepared {
-            partition: 0,
-            group: 0,
-            start: 1,
-            last: 100,
-            absent_fence: 0,
-            windows: Vec::new(),
-            deltas: drawn
-                .iter()
-                .map(|i| (CounterId::v0(posts[i], 0), 1))
-                .collect(),
-        };
+        let deltas: Vec<_> = drawn
+            .iter()
+            .map(|i| (CounterId::v0(posts[i], 0), 1))
+            .collect();
+        let counters = deltas.len() as u64;
         let fence = format!("{PREFIX}:fence:{n}");
-        let reply: Vec<redis::Value> =
-            script_call(ScriptBody::ByHash(&sha), &layout, &fence, &prepared)
-                .query(conn)
-                .context("calling the apply script")?;
-        if !matches!(reply.first(), Some(redis::Value::Int(0))) {
-            bail!("the script did not apply: {reply:?}");
-        }
-        Ok(prepared.deltas.len() as u64)
+        apply_once(conn, &sha, &layout, &fence, deltas, Vec::new())?;
+        Ok(counters)
     };
     call(&mut conn, 0)?;
     let cpu_before = RedisSnapshot::take(&mut conn)?;

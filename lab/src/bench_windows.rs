@@ -37,13 +37,14 @@ use tally::domain::routing::{CounterId, KeyLayout};
 use tally::domain::windows::Windows;
 use tally::infra::config::windows::{DEFAULT_LATENESS_MS, DEFAULT_RETENTION_MS, WindowSettings};
 use tally::pipeline::aggregate::WindowCell;
-use tally::pipeline::apply::{Prepared, ScriptBody, script_call, script_text};
+use tally::pipeline::apply::script_text;
 use tally_lab::generate::{Traffic, TrafficShape};
 
 use crate::bench::services::{RedisSnapshot, store_label};
 use crate::bench_writes::median;
 use crate::local::{start_redis, start_store_in};
 use crate::markdown::{command_line, header, publish, thousands, today_utc};
+use crate::script_call::apply_once;
 
 /// Settings of `tally-lab bench-windows`.
 #[derive(Debug, Clone, Args)]
@@ -251,26 +252,8 @@ impl Sender {
                 (cell, delta)
             }));
         }
-        let prepared = Prepared {
-            partition: 0,
-            group: 0,
-            start: 1,
-            last: 100,
-            absent_fence: 0,
-            deltas,
-            windows,
-        };
         let fence = format!("{}:fence:{}", self.layout.prefix(), self.made);
-        let reply: Vec<redis::Value> = script_call(
-            ScriptBody::ByHash(&self.sha),
-            &self.layout,
-            &fence,
-            &prepared,
-        )
-        .query(conn)?;
-        if !matches!(reply.first(), Some(redis::Value::Int(0))) {
-            bail!("the script did not apply: {reply:?}");
-        }
+        apply_once(conn, &self.sha, &self.layout, &fence, deltas, windows)?;
         Ok(())
     }
 }

@@ -31,11 +31,12 @@ use clap::Args;
 use rand::rngs::SmallRng;
 use rand::{Rng as _, SeedableRng as _};
 use tally::domain::routing::{CounterId, KeyLayout};
-use tally::pipeline::apply::{APPLY_LUA, Prepared, ScriptBody, script_call};
+use tally::pipeline::apply::APPLY_LUA;
 
 use crate::bench::services::RedisSnapshot;
 use crate::local::start_redis;
 use crate::markdown::{command_line, header, publish, thousands, today_utc};
+use crate::script_call::apply_once;
 
 /// Settings of `tally-lab bench-writes`.
 #[derive(Debug, Clone, Args)]
@@ -188,23 +189,16 @@ impl Bench {
                 } else {
                     &self.keys_only_sha
                 };
-                // The arguments `tally run` sends: offsets 1..=100 over a
-                // fence that is absent, +1 on every counter, no window.
-                let prepared = Prepared {
-                    partition: 0,
-                    group: 0,
-                    start: 1,
-                    last: 100,
-                    absent_fence: 0,
-                    deltas: posts.iter().map(|&p| (CounterId::v0(p, 0), 1)).collect(),
-                    windows: Vec::new(),
-                };
-                let reply: Vec<redis::Value> =
-                    script_call(ScriptBody::ByHash(sha), &self.layout, &fence, &prepared)
-                        .query(&mut self.conn)?;
-                if !matches!(reply.first(), Some(redis::Value::Int(0))) {
-                    bail!("the script did not apply: {reply:?}");
-                }
+                // +1 on every counter, no window.
+                let deltas = posts.iter().map(|&p| (CounterId::v0(p, 0), 1)).collect();
+                apply_once(
+                    &mut self.conn,
+                    sha,
+                    &self.layout,
+                    &fence,
+                    deltas,
+                    Vec::new(),
+                )?;
             }
             Write::Transaction => {
                 let mut pipe = redis::pipe();

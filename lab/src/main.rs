@@ -47,6 +47,7 @@ mod demo;
 mod local;
 mod markdown;
 mod produce;
+mod script_call;
 
 /// The demo, the traffic producer and the benchmarks of tally.
 #[derive(Parser)]
