@@ -7,88 +7,59 @@ mod common;
 
 use std::process::Command;
 
-/// Runs `tally-lab ARGS` to its end; returns what it printed on stdout.
-fn lab(args: &[&str]) -> String {
+/// Runs `tally-lab COMMAND FLAGS` (small settings, a redis-server of its own) to its end and
+/// expects each of `rows` in the report it prints.
+fn runs_through(command: &str, flags: &str, rows: &[&str]) {
+    // Fails with the install command when redis-server is missing.
+    common::Store::Redis.server_bin();
     let output = Command::new(common::lab_bin())
-        .args(args)
+        .arg(command)
+        .args(flags.split_whitespace())
         .output()
         .expect("start tally-lab");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let report = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
-        "tally-lab {} failed ({}):\n{stdout}\n{}",
-        args.join(" "),
+        "tally-lab {command} {flags} failed ({}):\n{report}\n{}",
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
-    stdout
-}
-
-#[test]
-fn bench_writes_measures_every_case() {
-    // Fails with the install command when redis-server is missing.
-    common::Store::Redis.server_bin();
-    let report = lab(&[
-        "bench-writes",
-        "--counters",
-        "2000",
-        "--keys",
-        "500",
-        "--calls",
-        "2",
-        "--rounds",
-        "1",
-    ]);
-    for case in [
-        "`apply.lua`, the same counters in every call",
-        "`apply.lua`, counters drawn at random for each call",
-        "a script given the same keys, writing none",
-        "pipelined `INCR`s drawn at random from every counter",
-    ] {
-        assert!(report.contains(case), "no row for {case}:\n{report}");
+    for row in rows {
+        assert!(report.contains(row), "no {row:?} in the report:\n{report}");
     }
 }
 
 #[test]
-fn bench_windows_measures_every_case() {
-    // Fails with the install command when redis-server is missing.
-    common::Store::Redis.server_bin();
-    let report = lab(&[
+fn bench_writes_measures_every_case() {
+    runs_through(
+        "bench-writes",
+        "--counters 2000 --keys 500 --calls 2 --rounds 1",
+        &[
+            "| `apply.lua`, the same counters in every call |",
+            "| `apply.lua`, counters drawn at random for each call |",
+            "| a script given the same keys, writing none |",
+            "| pipelined `INCR`s drawn at random from every counter |",
+        ],
+    );
+}
+
+#[test]
+fn bench_windows_measures_both_layouts() {
+    runs_through(
         "bench-windows",
-        "--posts",
-        "5000",
-        "--events-per-call",
-        "2000",
-        "--warm-calls",
-        "1",
-        "--calls",
-        "2",
-        "--rounds",
-        "1",
-    ]);
-    assert!(
-        report.contains("counters") && report.contains("packed"),
-        "no table of both layouts:\n{report}"
+        "--posts 5000 --events-per-call 2000 --warm-calls 1 --calls 2 --rounds 1",
+        &[
+            "| counters and one window (1h) |",
+            "| packed: counters and one window (1h) |",
+        ],
     );
 }
 
 #[test]
 fn bench_memory_measures_both_layouts() {
-    // Fails with the install command when redis-server is missing.
-    common::Store::Redis.server_bin();
-    let report = lab(&[
+    runs_through(
         "bench-memory",
-        "--counters",
-        "20000",
-        "--fields",
-        "64",
-        "--keys",
-        "500",
-        "--calls",
-        "2",
-    ]);
-    assert!(
-        report.contains("| strings |") && report.contains("| packed | 64 |"),
-        "no rows for both layouts:\n{report}"
+        "--counters 20000 --fields 64 --keys 500 --calls 2",
+        &["| strings |", "| packed | 64 |"],
     );
 }
