@@ -498,6 +498,15 @@ mod tests {
     }
 
     #[test]
+    fn busy_share_is_busy_ticks_over_all_ticks_between_two_readings() {
+        use super::super::services::busy_share;
+        assert_eq!(busy_share(Some((100, 400)), Some((250, 600))), Some(0.75));
+        assert_eq!(busy_share(Some((100, 400)), Some((100, 400))), None);
+        assert_eq!(busy_share(None, Some((250, 600))), None);
+        assert_eq!(percent(0.975), "98 %");
+    }
+
+    #[test]
     fn report_replaces_only_its_block() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("b.md");
