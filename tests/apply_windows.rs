@@ -239,14 +239,25 @@ fn snapshot(conn: &mut redis::Connection) -> BTreeMap<String, String> {
 }
 
 /// A post's field in a window's counts, or the window's floor, holding what
-/// is not a count (a value tally never writes) refuses the whole call before
-/// anything stays written: the counters already added and the window counts
-/// of the posts before it are taken back, and the fence stays, so a retry
-/// cannot add them twice.
+/// is not a count (a value tally never writes, among them numbers written
+/// in forms HINCRBY does not read, and a count at the 64-bit limit) refuses the whole call before anything stays written: no counter
+/// and no window count of the posts before it stays added, and the fence
+/// stays, so a retry cannot add them twice.
 #[test]
 fn a_window_count_that_is_not_a_number_refuses_the_call_and_keeps_nothing() {
+    let strays = [
+        ("post", "many", "integer"),
+        ("post", "1e3", "integer"),
+        ("post", "0x10", "integer"),
+        ("post", " 12", "integer"),
+        ("post", "007", "integer"),
+        ("post", "-0", "integer"),
+        ("post", "1.5", "integer"),
+        ("post", "9223372036854775807", "overflow"),
+        ("floor", "many", "integer"),
+    ];
     for (name, keys) in layouts() {
-        for stray in ["post", "floor"] {
+        for (stray, value, says) in strays {
             let (_redis, rt, applier, mut conn) = server(&keys);
             let hour = now_ms() / HOUR * HOUR;
             let first = with_windows(
@@ -265,7 +276,7 @@ fn a_window_count_that_is_not_a_number_refuses_the_call_and_keeps_nothing() {
                 "post" => 8u64.to_be_bytes().to_vec(),
                 _ => b"floor".to_vec(),
             };
-            let _: () = conn.hset(&counts, &field, "many").unwrap();
+            let _: () = conn.hset(&counts, &field, value).unwrap();
             let before = snapshot(&mut conn);
             // Post 7 comes before post 8 in the call, in a run of its own
             // delta: its window writes (and every counter) would stand if
@@ -284,20 +295,54 @@ fn a_window_count_that_is_not_a_number_refuses_the_call_and_keeps_nothing() {
                 match refused {
                     Err(ApplyError::BadKey { key, error, .. }) => {
                         assert!(key.starts_with(&counts), "{name}, {stray}: {key}");
-                        assert!(error.contains("integer"), "{name}, {stray}: {error}");
+                        assert!(error.contains(says), "{name}, {stray} {value:?}: {error}");
                         if stray == "post" {
                             assert!(key.contains("post 8"), "{name}: {key}");
                         }
                     }
-                    other => panic!("{name}, {stray}, attempt {attempt}: {other:?}"),
+                    other => panic!("{name}, {stray} {value:?}, attempt {attempt}: {other:?}"),
                 }
                 assert_eq!(
                     snapshot(&mut conn),
                     before,
-                    "{name}, {stray}: the refused call left writes behind"
+                    "{name}, {stray} {value:?}: the refused call left writes behind"
                 );
             }
         }
+    }
+}
+
+/// A count of 15 digits and a negative count stay exact, and a post named
+/// twice in one window of a call gets both its deltas.
+#[test]
+fn large_and_negative_counts_stay_exact_and_a_post_named_twice_gets_both_deltas() {
+    for (name, keys) in layouts() {
+        let (_redis, rt, applier, mut conn) = server(&keys);
+        let hour = now_ms() / HOUR * HOUR;
+        let counts = format!("t:win:1h:{hour}");
+        let _: () = conn
+            .hset(&counts, &7u64.to_be_bytes()[..], "123456789012345")
+            .unwrap();
+        let _: () = conn.hset(&counts, &8u64.to_be_bytes()[..], "-40").unwrap();
+        let call = with_windows(
+            script(0, 0, -1, &[(7, 0, 1)]),
+            &[
+                (1, hour, 7, 1),
+                (1, hour, 8, -2),
+                (1, hour, 9, 1),
+                (1, hour, 9, 2),
+            ],
+        );
+        assert!(call.windows.windows(2).any(|w| w[0].0 == w[1].0));
+        let reply = rt.block_on(applier.apply_once(&call)).unwrap().unwrap();
+        assert_eq!(reply.decision, Decision::Apply, "{name}");
+        let read = |conn: &mut redis::Connection, post: u64| -> String {
+            conn.hget(&counts, &post.to_be_bytes()[..]).unwrap()
+        };
+        assert_eq!(read(&mut conn, 7), "123456789012346", "{name}");
+        assert_eq!(read(&mut conn, 8), "-42", "{name}");
+        assert_eq!(read(&mut conn, 9), "3", "{name}");
+        sets(&mut conn);
     }
 }
 
