@@ -175,13 +175,19 @@ impl Snapshot {
     }
 }
 
+/// Linux's "no such process": what reading a file of a thread that is
+/// exiting returns, where one already gone is not found.
+const ESRCH: i32 = 3;
+
 /// One thread's counters, or `None` when it exited while it was being read.
 fn read_thread(dir: &str, tid: u32) -> Result<Option<Counters>> {
     let read = |file: &str| {
         let path = format!("{dir}/{tid}/{file}");
         match std::fs::read_to_string(&path) {
             Ok(text) => Ok(Some(text)),
-            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound || e.raw_os_error() == Some(ESRCH) => {
+                Ok(None)
+            }
             Err(e) => Err(e).with_context(|| format!("reading {path}")),
         }
     };
@@ -348,6 +354,36 @@ mod tests {
         assert_eq!(sched.wait_per_slice_ns(), 2_500.0 / 15.0);
         assert_eq!(sched.wait_share(), 2_500.0 / 2e9);
         assert_eq!(sched.involuntary_per_1000(2_000), 2.0);
+    }
+
+    /// Threads that start and exit while the snapshots list and read them
+    /// are skipped, never an error.
+    #[test]
+    fn threads_exiting_while_read_are_skipped() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let churn = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let short: Vec<_> = (0..8).map(|_| std::thread::spawn(|| ())).collect();
+                    short.into_iter().for_each(|t| t.join().unwrap());
+                }
+            })
+        };
+        let taken = (0..2_000).map(|_| Snapshot::take(std::process::id()));
+        let failed: Vec<String> = taken
+            .filter_map(|s| s.err())
+            .map(|e| format!("{e:#}"))
+            .collect();
+        done.store(true, Ordering::Relaxed);
+        churn.join().unwrap();
+        assert!(
+            failed.is_empty(),
+            "{} snapshots failed, first: {}",
+            failed.len(),
+            failed[0]
+        );
     }
 
     #[test]
