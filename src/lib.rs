@@ -21,8 +21,8 @@
 //!   aggregate   per-partition batches of net deltas per (post, bucket), and per
 //!               (post, window)
 //!   apply       a batch behind its fence (apply.lua; apply_packed.lua for packed
-//!               counters; windows.lua, the window section of both); the
-//!               exactly-once argument;
+//!               counters; apply_fence.lua, the fence check both start with;
+//!               windows.lua, the window section of both); the exactly-once argument;
 //!               the one reader of fences
 //!   commit      Kafka offsets, only after the script succeeded
 //!   dead_letter copies of bad messages, confirmed before their batch applies

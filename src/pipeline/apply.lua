@@ -30,34 +30,20 @@
 -- script to it. A script that stopped on an error would keep the INCRBYs made
 -- before it, and every retry would add them again: hence pcall and the undo.
 
-local raw = redis.call('GET', KEYS[1])
-local fence = tonumber(raw or ARGV[3])
-if not fence or fence % 1 ~= 0 then
-  -- Not a value this script writes: what the fence said is lost.
-  return redis.error_reply('ERR ' .. KEYS[1] .. ' holds "' .. tostring(raw) .. '", which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`')
+local fence, skipped = fence_decision()
+if not fence then
+  return skipped
 end
-local start = tonumber(ARGV[1])
-local last = tonumber(ARGV[2])
-
-if fence >= last then
-  return {1, fence}
-end
-if fence + 1 < start then
-  return {3, fence}
-end
-if fence + 1 > start then
-  return {2, fence}
+if skipped then
+  return {skipped, fence}
 end
 
--- Redis checks the commands of a script against the caller's ACL only as
--- they run, so a user without one of them would stop the script half-way,
--- its INCRBYs kept and the fence not moved; and its refusal names no
--- command. Check them all before the first write (as acl_check.lua does for
--- the other scripts; KEYS were checked when the script was called).
-for _, call in ipairs({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
-  if not redis.acl_check_cmd(unpack(call)) then
-    return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
-  end
+-- Every command the script may call is checked before its first write
+-- (acl_check.lua): a user without one would stop it half-way, its INCRBYs
+-- kept and the fence not moved. KEYS were checked when it was called.
+local denied = acl_refusal({{'INCRBY', KEYS[1], '0'}, {'DECRBY', KEYS[1], '0'}, {'DEL', KEYS[1]}, {'SET', KEYS[1], '0'}})
+if denied then
+  return denied
 end
 
 -- The loop does no more than one INCRBY per key: it runs for every counter

@@ -53,12 +53,20 @@ use crate::infra::store::{Shared, Target, connect_blocking};
 use crate::pipeline::aggregate::WindowCell;
 
 /// The script, with its header comment documenting KEYS, ARGV and replies,
-/// after the window section's functions (windows.lua) it ends with.
-pub const APPLY_LUA: &str = concat!(include_str!("windows.lua"), include_str!("apply.lua"));
+/// after the functions it calls: the ACL check (acl_check.lua), the fence
+/// check (apply_fence.lua) and the window section (windows.lua).
+pub const APPLY_LUA: &str = concat!(
+    include_str!("../infra/acl_check.lua"),
+    include_str!("apply_fence.lua"),
+    include_str!("windows.lua"),
+    include_str!("apply.lua")
+);
 
 /// The script of a packed generation (see [`crate::domain::packing`]): the
 /// same fence and decisions, its counters fields of hashes.
 pub const APPLY_PACKED_LUA: &str = concat!(
+    include_str!("../infra/acl_check.lua"),
+    include_str!("apply_fence.lua"),
     include_str!("windows.lua"),
     include_str!("apply_packed.lua")
 );
@@ -737,7 +745,11 @@ mod tests {
     fn the_script_documents_its_contract() {
         let own = include_str!("apply.lua");
         assert!(own.starts_with("-- apply.lua"));
-        assert!(APPLY_LUA.starts_with("-- windows.lua") && APPLY_LUA.ends_with(own));
+        assert!(APPLY_LUA.starts_with("-- acl_check.lua") && APPLY_LUA.ends_with(own));
+        let packed = include_str!("apply_packed.lua");
+        assert!(
+            APPLY_PACKED_LUA.starts_with("-- acl_check.lua") && APPLY_PACKED_LUA.ends_with(packed)
+        );
         for needle in ["KEYS[1]", "ARGV[1]", "ARGV[2]", "ARGV[3]", "Returns"] {
             assert!(
                 APPLY_LUA.contains(needle),

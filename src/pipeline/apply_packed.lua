@@ -32,31 +32,20 @@
 -- A field the undo brings back to 0 is deleted, and a hash left empty goes
 -- with its last field: absent reads as 0, and a refused call creates nothing.
 
-local raw = redis.call('GET', KEYS[1])
-local fence = tonumber(raw or ARGV[3])
-if not fence or fence % 1 ~= 0 then
-  -- Not a value this script writes: what the fence said is lost.
-  return redis.error_reply('ERR ' .. KEYS[1] .. ' holds "' .. tostring(raw) .. '", which is not an offset and not a value tally writes; the position it kept is lost: restore the key from a backup of this store, or recount the prefix with `tally rebuild`')
+local fence, skipped = fence_decision()
+if not fence then
+  return skipped
 end
-local start = tonumber(ARGV[1])
+if skipped then
+  return {skipped, fence, 0}
+end
 local last = tonumber(ARGV[2])
-
-if fence >= last then
-  return {1, fence, 0}
-end
-if fence + 1 < start then
-  return {3, fence, 0}
-end
-if fence + 1 > start then
-  return {2, fence, 0}
-end
 
 -- Every command the script may run is checked before the first write: a
 -- user without one would otherwise stop it half-way (see apply.lua).
-for _, call in ipairs({{'HINCRBY', KEYS[1], 'f', '0'}, {'HDEL', KEYS[1], 'f'}, {'HLEN', KEYS[1]}, {'SET', KEYS[1], '0'}}) do
-  if not redis.acl_check_cmd(unpack(call)) then
-    return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
-  end
+local denied = acl_refusal({{'HINCRBY', KEYS[1], 'f', '0'}, {'HDEL', KEYS[1], 'f'}, {'HLEN', KEYS[1]}, {'SET', KEYS[1], '0'}})
+if denied then
+  return denied
 end
 
 local pcall, keys, argv, kind = redis.pcall, KEYS, ARGV, type

@@ -1,5 +1,6 @@
 -- windows.lua: the window section both apply scripts take after their
--- counters (see src/domain/windows.rs); this text is put before each script.
+-- counters (see src/domain/windows.rs); this text is put before each script,
+-- after acl_check.lua and apply_fence.lua.
 --
 -- ARGV[4]            W, the number of windows written, the last 2W keys of KEYS
 -- KEYS[#KEYS-2W+1..] for each window, in pairs: its counts, the hash
@@ -99,12 +100,11 @@ local function windows_refusal(keys, w, fence)
   end
   local first = #keys - 2 * w + 1
   local counts, leaders = keys[first], keys[first + 1]
-  for _, call in ipairs({{'HINCRBY', counts, 'm', '1'}, {'HDEL', counts, 'm'}, {'HGET', counts, 'm'}, {'HSET', counts, 'm', '1'},
+  local denied = acl_refusal({{'HINCRBY', counts, 'm', '1'}, {'HDEL', counts, 'm'}, {'HGET', counts, 'm'}, {'HSET', counts, 'm', '1'},
       {'ZADD', leaders, '1', 'm'}, {'ZREM', leaders, 'm'}, {'ZCARD', leaders}, {'ZREVRANGE', leaders, '0', '0'},
-      {'ZREMRANGEBYSCORE', leaders, '0', '0'}, {'PEXPIREAT', counts, '0'}, {'TYPE', counts}}) do
-    if not redis.acl_check_cmd(unpack(call)) then
-      return redis.error_reply("NOPERM this user has no permissions to run the '" .. string.lower(call[1]) .. "' command")
-    end
+      {'ZREMRANGEBYSCORE', leaders, '0', '0'}, {'PEXPIREAT', counts, '0'}, {'TYPE', counts}})
+  if denied then
+    return denied
   end
   for k = first, #keys do
     local want = (k - first) % 2 == 0 and 'hash' or 'zset'
