@@ -30,20 +30,7 @@ end
 if tonumber(last_buckets) == tonumber(ARGV[3]) then
   return {0, now_ms, entry}
 end
-local effective = now_ms + tonumber(ARGV[4])
--- Never at or before a time routing was made final for (route_fetch.lua), nor,
--- while an unfreeze is under way, the time it undoes (route_unfreeze.lua).
-local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
-local undone = tonumber(string.match(redis.call('HGET', KEYS[1], 'unfreezing') or '', '^(%-?%d+):') or '0')
-if undone > final then
-  final = undone
-end
-if effective <= final then
-  effective = final + 1
-end
-if effective <= tonumber(last_effective) then
-  effective = tonumber(last_effective) + 1
-end
+local effective = effective_after(KEYS[1], now_ms + tonumber(ARGV[4]), tonumber(last_effective))
 entry = entry .. ';' .. (tonumber(last_epoch) + 1) .. ':' .. ARGV[3] .. ':' .. effective
 redis.call('HSET', KEYS[1], ARGV[1], entry)
 return {1, now_ms, entry}

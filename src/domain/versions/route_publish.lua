@@ -43,20 +43,7 @@ if ARGV[6] == '1' and last_buckets >= buckets then
   return {0, entry}
 end
 
-local effective = registry_now(KEYS[1]) + tonumber(ARGV[4])
--- Never at or before a time routing was made final for (route_fetch.lua), nor,
--- while an unfreeze is under way, the time it undoes (route_unfreeze.lua).
-local final = tonumber(redis.call('HGET', KEYS[1], 'final') or '0')
-local undone = tonumber(string.match(redis.call('HGET', KEYS[1], 'unfreezing') or '', '^(%-?%d+):') or '0')
-if undone > final then
-  final = undone
-end
-if effective <= final then
-  effective = final + 1
-end
-if effective <= last_effective then
-  effective = last_effective + 1
-end
+local effective = effective_after(KEYS[1], registry_now(KEYS[1]) + tonumber(ARGV[4]), last_effective)
 entry = entry .. ';' .. version .. ':' .. buckets .. ':' .. effective
 redis.call('HSET', KEYS[1], ARGV[1], entry)
 return {1, entry}
