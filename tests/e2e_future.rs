@@ -206,12 +206,7 @@ fn wrong_clocks_stall_nothing_on_a_cluster_and_a_rebuild_agrees() {
         .query(&mut conn)
         .unwrap();
     thread::sleep(Duration::from_secs(3));
-    let more = Workload::generate(run.seed ^ 0x9, 400, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        more.messages(0..more.events.len()),
-    );
+    let more = run.produce_workload(run.seed ^ 0x9, 400, PARTITIONS);
     let hwms = run.hwms(workload.events.len() + 2 + more.events.len());
     cluster.wait_applied(
         &g1,

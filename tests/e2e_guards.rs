@@ -103,12 +103,7 @@ fn a_key_incrby_refuses_stops_the_partition_without_writing() {
     let mut args = run.tally_args(&redis.url());
     // No hot-post detection: its heat keys would change between the refused starts.
     args.extend(["--promote-above", "0"].map(String::from));
-    let first = Workload::generate(run.seed, 3_000, 1);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 3_000, 1);
     count_all(&run, &mut conn, &args, first.events.len());
 
     // A like of a post no wave holds opens the second wave, and its key is broken by hand, as a
@@ -174,8 +169,7 @@ fn an_eviction_policy_that_may_drop_keys_is_refused() {
     let run = Scenario::new("e2e_guards_eviction", "evict", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 2_000, PARTITIONS);
     policy(&mut conn, "allkeys-lru");
     let args = run.tally_args(&redis.url());
     let line = refusal_line(&run_refused(&args));
@@ -272,8 +266,7 @@ fn commits_that_trail_fences_at_the_log_end_catch_up_without_new_events() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
-    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 2_000, PARTITIONS);
     count_all(&run, &mut conn, &args, w.events.len());
     let hwms = run.hwms(w.events.len());
     commit_back(&run, PARTITIONS, 0);
@@ -295,12 +288,7 @@ fn a_store_that_lost_everything_is_refused_until_the_loss_is_accepted() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
-    let first = Workload::generate(run.seed, 3_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 3_000, PARTITIONS);
     count_all(&run, &mut conn, &args, first.events.len());
     let hwms = run.hwms(first.events.len());
     wait_for("the group's commits", Duration::from_secs(30), || {
@@ -308,12 +296,7 @@ fn a_store_that_lost_everything_is_refused_until_the_loss_is_accepted() {
     });
 
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
-    let second = Workload::generate(run.seed ^ 0x1057, 1_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x1057, 1_000, PARTITIONS);
     let line = refusal_line(&run_refused(&args));
     assert!(
         line.contains(&format!(
@@ -346,12 +329,7 @@ fn a_broker_that_came_back_empty_is_refused_until_the_fences_are_reset() {
     let old = Broker::start_private();
     let run = Scenario::on(old.addr(), "e2e_guards_empty", "empty", PARTITIONS);
     let args = run.tally_args(&redis.url());
-    let first = Workload::generate(run.seed, 4_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 4_000, PARTITIONS);
     count_all(&run, &mut conn, &args, first.events.len());
     drop(old);
 
@@ -414,8 +392,7 @@ fn caught_up_with_metrics(
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = run.tally_args(&redis.url());
     args.extend(["--metrics-addr", &metrics].map(String::from));
-    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 2_000, PARTITIONS);
     let mut tally = Tally::spawn_args("tally", &args);
     run.wait_applied(
         conn,
@@ -474,19 +451,9 @@ fn a_fence_origin_or_pointer_that_holds_no_number_is_refused_with_its_key() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
-    let first = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 2_000, PARTITIONS);
     count_all(&run, &mut conn, &args, first.events.len());
-    let second = Workload::generate(run.seed ^ 0x57a7, 1_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x57a7, 1_000, PARTITIONS);
     let fence = fence_key(&run.prefix, &run.group, &run.topic, 1);
     let origin = format!("{}:origin:{}:{}:2", run.prefix, run.group, run.topic);
     for key in [fence, origin] {
@@ -568,12 +535,7 @@ fn a_generation_pointer_overwritten_while_running_is_reported() {
             .count()
     };
     // Counting goes on meanwhile, into the generation it read.
-    let second = Workload::generate(run.seed ^ 0x9e7, 1_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x9e7, 1_000, PARTITIONS);
     run.wait_applied(
         &mut conn,
         &run.hwms(first.events.len() + second.events.len()),
@@ -621,12 +583,7 @@ fn a_redis_out_of_memory_is_waited_out_without_stopping_a_partition() {
         .query(&mut conn)
         .unwrap();
     let before = snapshot(&mut conn, &run.prefix);
-    let second = Workload::generate(run.seed ^ 0x00f, 1_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x00f, 1_000, PARTITIONS);
     let full = "Redis is at maxmemory and refuses writes";
     wait_for(
         "the batches waiting for room",
@@ -683,8 +640,7 @@ fn a_dead_letter_copy_that_keeps_failing_fails_readiness() {
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = run.tally_args(&redis.url());
     args.extend(["--dead-letter-topic", &dlq, "--metrics-addr", &metrics].map(String::from));
-    let w = Workload::generate(run.seed, 2_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 2_000, PARTITIONS);
     // Not a LikeEvent (field 1 with wire type 7), and larger than a producer sends by default.
     produce_stamped(
         &run.brokers,

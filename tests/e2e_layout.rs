@@ -37,8 +37,7 @@ fn changed_layout_flags_are_refused_and_readers_need_none() {
     let run = Scenario::new("e2e_layout", "layout", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let w = Workload::generate(run.seed, EVENTS, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, EVENTS, PARTITIONS);
     let hwms = run.hwms(EVENTS);
     let args = with(&run.tally_args(&redis.url()), "--buckets", BUCKETS);
 
@@ -178,8 +177,7 @@ fn adoption_checks_every_partition_and_group_and_says_what_readers_sum() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let events = 5_000;
-    let w = Workload::generate(run.seed, events, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, events, PARTITIONS);
     let hwms = run.hwms(events);
     let args = with(&run.tally_args(&redis.url()), "--buckets", "16");
     let mut tally = Tally::spawn_args("tally", &args);

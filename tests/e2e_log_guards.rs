@@ -202,34 +202,16 @@ fn offsets_retention_deleted_while_tally_was_stopped_are_reported_at_assignment(
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
 
-    let first = Workload::generate(run.seed, 1_500, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 1_500, PARTITIONS);
     let counted = run.hwms(first.events.len());
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(&mut conn, &counted, Duration::from_secs(60), || {
-        tally.assert_running()
-    });
+    let mut tally = run.spawn_applied(&mut conn, &args, &counted);
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
 
     // While tally is stopped, a second wave arrives and retention deletes it unread.
-    let second = Workload::generate(run.seed ^ 0x2d, 1_000, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x2d, 1_000, PARTITIONS);
     let deleted = run.hwms(first.events.len() + second.events.len());
     delete_by_retention(&run.brokers, &run.topic, &deleted);
-    let third = Workload::generate(run.seed ^ 0x3d, 800, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        third.messages(0..third.events.len()),
-    );
+    let third = run.produce_workload(run.seed ^ 0x3d, 800, PARTITIONS);
     let total = first.events.len() + second.events.len() + third.events.len();
     let ends = run.hwms(total);
 
@@ -237,10 +219,7 @@ fn offsets_retention_deleted_while_tally_was_stopped_are_reported_at_assignment(
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = args.clone();
     args.extend(["--metrics-addr", &metrics].map(String::from));
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
-        tally.assert_running()
-    });
+    let mut tally = run.spawn_applied(&mut conn, &args, &ends);
     run.assert_exact(&mut conn, &merged(&first.truth, &third.truth));
     let skipped: i64 = (0..PARTITIONS as usize)
         .map(|p| deleted[p] - counted[p])
@@ -293,35 +272,19 @@ fn retention_inside_the_dedupe_window_is_reported_at_assignment() {
     let mut conn = redis.conn();
     let mut args = run.tally_args(&redis.url());
     args.extend(["--dedupe", "ids", "--dedupe-window", "100000"].map(String::from));
-    let first = Workload::generate(run.seed, 1_500, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 1_500, PARTITIONS);
     let counted = run.hwms(first.events.len());
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(&mut conn, &counted, Duration::from_secs(60), || {
-        tally.assert_running()
-    });
+    let mut tally = run.spawn_applied(&mut conn, &args, &counted);
     assert!(tally.sigterm_and_wait(Duration::from_secs(20)).success());
 
     // Counted, then deleted: the window of the next start would re-read all of it.
     delete_by_retention(&run.brokers, &run.topic, &counted);
-    let second = Workload::generate(run.seed ^ 0x4e, 800, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x4e, 800, PARTITIONS);
     let ends = run.hwms(first.events.len() + second.events.len());
     // A port picked now: one picked before the first start could be another test's by now.
     let metrics = format!("127.0.0.1:{}", free_port());
     args.extend(["--metrics-addr", &metrics].map(String::from));
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
-        tally.assert_running()
-    });
+    let mut tally = run.spawn_applied(&mut conn, &args, &ends);
     run.assert_exact(&mut conn, &merged(&first.truth, &second.truth));
     let text = scrape_metrics(&metrics);
     assert_eq!(
@@ -351,25 +314,12 @@ fn verify_recounts_from_the_log_start_and_names_what_retention_deleted() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let args = run.tally_args(&redis.url());
-    let first = Workload::generate(run.seed, 1_200, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 1_200, PARTITIONS);
     let counted = run.hwms(first.events.len());
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(&mut conn, &counted, Duration::from_secs(60), || {
-        tally.assert_running()
-    });
+    let mut tally = run.spawn_applied(&mut conn, &args, &counted);
     // Counted, then deleted by retention: the counts keep events no log holds.
     delete_by_retention(&run.brokers, &run.topic, &counted);
-    let second = Workload::generate(run.seed ^ 0x77, 900, PARTITIONS);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x77, 900, PARTITIONS);
     let ends = run.hwms(first.events.len() + second.events.len());
     run.wait_applied(&mut conn, &ends, Duration::from_secs(60), || {
         tally.assert_running()
@@ -417,8 +367,7 @@ fn a_compacted_topic_is_refused_at_start_and_reported_while_running() {
     let run = Scenario::new("e2e_log_guards_compact", "compacted", PARTITIONS);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let w = Workload::generate(run.seed, 1_500, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 1_500, PARTITIONS);
 
     set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "compact");
     let line = refusal_line(&run_refused(&run.tally_args(&redis.url())));
@@ -434,13 +383,7 @@ fn a_compacted_topic_is_refused_at_start_and_reported_while_running() {
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = run.tally_args(&redis.url());
     args.extend(["--metrics-addr", &metrics].map(String::from));
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(
-        &mut conn,
-        &run.hwms(w.events.len()),
-        Duration::from_secs(60),
-        || tally.assert_running(),
-    );
+    let mut tally = run.spawn_applied(&mut conn, &args, &run.hwms(w.events.len()));
     let compacted = || metric_value(&scrape_metrics(&metrics), "tally_topic_compacted");
     assert_eq!(compacted(), Some(0.0));
     set_topic_config(&run.brokers, &run.topic, "cleanup.policy", "compact");
@@ -482,21 +425,10 @@ fn partitions_added_under_a_running_tally_are_counted_from_their_start() {
     let run = Scenario::new("e2e_log_guards_grown", "grown", 2);
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    let first = Workload::generate(run.seed, 1_500, 2);
-    produce(
-        &run.brokers,
-        &run.topic,
-        first.messages(0..first.events.len()),
-    );
+    let first = run.produce_workload(run.seed, 1_500, 2);
     // tally's own metadata refresh (30 s) finds the new partitions.
     let args = run.tally_args(&redis.url());
-    let mut tally = Tally::spawn_args("tally", &args);
-    run.wait_applied(
-        &mut conn,
-        &run.hwms(first.events.len()),
-        Duration::from_secs(60),
-        || tally.assert_running(),
-    );
+    let mut tally = run.spawn_applied(&mut conn, &args, &run.hwms(first.events.len()));
 
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", &run.brokers)
@@ -509,12 +441,7 @@ fn partitions_added_under_a_running_tally_are_counted_from_their_start() {
     for result in grown {
         result.unwrap_or_else(|e| panic!("grow {}: {e:?}", run.topic));
     }
-    let second = Workload::generate(run.seed ^ 0x4a7, 2_000, 4);
-    produce(
-        &run.brokers,
-        &run.topic,
-        second.messages(0..second.events.len()),
-    );
+    let second = run.produce_workload(run.seed ^ 0x4a7, 2_000, 4);
     let hwms = run.hwms(first.events.len() + second.events.len());
     assert_eq!(hwms.len(), 4, "{hwms:?}");
     assert!(

@@ -59,8 +59,7 @@ fn endpoints_answer_while_counting_into_an_acl_redis() {
     }
     assert_eq!(http_get(&http, "/nothing-here").unwrap().0, 404);
 
-    let w = Workload::generate(run.seed, EVENTS, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, EVENTS, PARTITIONS);
     let hwms = run.hwms(EVENTS);
     let mut conn = redis.conn();
     run.wait_applied(&mut conn, &hwms, Duration::from_secs(60), || {

@@ -214,8 +214,7 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, mut seen: Option<Seen>) {
 fn a_start_cut_off_from_redis_part_way_starts_its_checks_again() {
     let run = Scenario::new("e2e_redis_restart_start", "startcut", PARTITIONS);
     let redis = RedisServer::start();
-    let w = Workload::generate(run.seed, 4_000, PARTITIONS);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 4_000, PARTITIONS);
     let proxy = CuttingProxy::start(redis.port());
     let mut tally = Tally::spawn_args("tally", &run.tally_args(&proxy.url()));
     let retry_line = "Redis stopped answering during the start-up checks; starting them again.";

@@ -73,8 +73,7 @@ fn a_pointer_that_moved_back_refuses_writers_and_readers_report_it() {
         .unwrap();
     let mut args = run.tally_args(&redis.url());
     args.extend(strings(&["--buckets", "1", "--route-refresh-ms", "200"]));
-    let w = Workload::generate(run.seed, 2_000, 2);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 2_000, 2);
     let hwms = run.hwms(2_000);
     let mut writer = Tally::spawn_args("writer", &args);
     let g1 = format!("{}:g1", run.prefix);
@@ -263,8 +262,7 @@ fn lag_in_seconds_ages_while_the_first_batch_cannot_land() {
         .arg(&["PAUSE", "60000", "WRITE"])
         .query(&mut conn)
         .unwrap();
-    let w = Workload::generate(run.seed, 200, 1);
-    produce(&run.brokers, &run.topic, w.messages(0..w.events.len()));
+    let w = run.produce_workload(run.seed, 200, 1);
     let lag = || {
         let text = try_scrape_metrics(&metrics).ok()?;
         metric_value(&text, "tally_consumer_lag_seconds{partition=\"0\"}")

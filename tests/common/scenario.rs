@@ -95,6 +95,33 @@ impl Scenario {
         hwms
     }
 
+    /// `events` likes generated from `seed` over `partitions` partitions, produced to the
+    /// topic whole.
+    pub fn produce_workload(&self, seed: u64, events: usize, partitions: i32) -> Workload {
+        let workload = Workload::generate(seed, events, partitions);
+        produce(
+            &self.brokers,
+            &self.topic,
+            workload.messages(0..workload.events.len()),
+        );
+        workload
+    }
+
+    /// `tally run` with `args`, once it has applied every partition up to `hwms` (within a
+    /// minute, the process checked to be running at every poll).
+    pub fn spawn_applied(
+        &self,
+        conn: &mut redis::Connection,
+        args: &[String],
+        hwms: &[i64],
+    ) -> Tally {
+        let mut tally = Tally::spawn_args("tally", args);
+        self.wait_applied(conn, hwms, Duration::from_secs(60), || {
+            tally.assert_running()
+        });
+        tally
+    }
+
     /// Waits until every partition's fence holds its last offset, calling `check` on each poll.
     pub fn wait_applied(
         &self,
