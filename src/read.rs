@@ -44,6 +44,7 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::domain::packing::{SplitCache, Splits};
 use crate::domain::routing::{CounterId, KeyLayout, Place};
 use crate::domain::slots::key_slot;
 use crate::domain::versions::{
@@ -127,6 +128,22 @@ impl KeyCommand {
     }
 }
 
+/// A counter read from a growing generation, addressed with the split state
+/// its slot group had in the reader's view: the command at `at` read hash
+/// `n` of `group`.
+#[derive(Debug, Clone, Copy)]
+struct Addressed {
+    at: usize,
+    id: CounterId,
+    group: u32,
+    n: u32,
+    assumed: Splits,
+}
+
+/// The most times a read addresses a counter again because its hash was
+/// split while it read: each time with the state read right after it.
+const MAX_READDRESS: usize = 16;
+
 /// A counter's value as [`KeyCommand::counter`] reads it: GET's reply, or
 /// HMGET's one-element array; absent reads as 0.
 fn counter_value(value: &Value) -> Result<i64, RedisError> {
@@ -162,6 +179,9 @@ struct Inner {
     windowed: Mutex<FxHashMap<trending::WindowRead, (trending::Cached, Instant)>>,
     pending: Mutex<FxHashMap<u64, Pending>>,
     fetches: AtomicU64,
+    /// The split states last read of the current generation's slot groups,
+    /// when its hashes grow, and the generation they are of.
+    splits: Mutex<(u64, SplitCache)>,
 }
 
 /// Removes a leader's pending entries however its fetch ends, so followers
@@ -199,6 +219,7 @@ impl Reader {
                 windowed: Mutex::new(FxHashMap::default()),
                 pending: Mutex::new(FxHashMap::default()),
                 fetches: AtomicU64::new(0),
+                splits: Mutex::new((u64::MAX, SplitCache::new(1))),
             }),
         }
     }
@@ -271,7 +292,8 @@ impl Reader {
 
     /// Every key a read of `post_id` sums now, and the generation's prefix.
     pub async fn summed_keys(&self, post_id: u64) -> Result<(String, Vec<String>), ReadError> {
-        let (_, keys) = self.layout().await?;
+        let (k, keys) = self.layout().await?;
+        let splits = self.splits_of(k, &keys);
         let replies = self
             .query(vec![
                 Self::registry_command(&keys, &[post_id]),
@@ -283,7 +305,22 @@ impl Reader {
             redis::from_redis_value_ref(&replies[1]).map_err(RedisError::from)?;
         let meta = PostMeta::from_fields(&keys.route_key(post_id), &fields, &defaults)?
             .with_entry(entries[0].as_deref());
-        Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)))
+        if !keys.is_growing() {
+            return Ok((keys.prefix().to_string(), meta.keys(&keys, post_id)));
+        }
+        // Where each counter is now: addressed with the states read after a
+        // read of them all, until none moved.
+        let (mut commands, mut addressed) = (Vec::new(), Vec::new());
+        for id in meta.counters(post_id) {
+            Self::push_counter(&keys, &splits, id, &mut commands, &mut addressed);
+        }
+        self.query_counters(&keys, &splits, commands, addressed)
+            .await?;
+        let shown = meta
+            .counters(post_id)
+            .map(|id| keys.place_at(id, splits.get(keys.group_of(id))).shown())
+            .collect();
+        Ok((keys.prefix().to_string(), shown))
     }
 
     /// The default layout and the registry entries of `posts`: one HMGET.
@@ -456,9 +493,150 @@ impl Reader {
         Err(last_error.expect("at least one attempt"))
     }
 
+    /// The split states of generation `k` (laid out as `keys`) last read.
+    fn splits_of(&self, k: u64, keys: &KeyLayout) -> SplitCache {
+        let mut splits = self.inner.splits.lock().unwrap_or_else(|e| e.into_inner());
+        if splits.0 != k {
+            *splits = (k, SplitCache::new(keys.groups().count()));
+        }
+        splits.1.clone()
+    }
+
+    /// The command reading counter `id`, pushed onto `commands`; in a
+    /// growing generation, addressed with the split state last read and
+    /// noted in `addressed`.
+    fn push_counter(
+        keys: &KeyLayout,
+        splits: &SplitCache,
+        id: CounterId,
+        commands: &mut Vec<KeyCommand>,
+        addressed: &mut Vec<Addressed>,
+    ) {
+        if !keys.is_growing() {
+            commands.push(KeyCommand::counter(keys.place_of(id)));
+            return;
+        }
+        let group = keys.group_of(id);
+        let assumed = splits.get(group);
+        let n = keys.hash_number(id, assumed, &mut String::new());
+        addressed.push(Addressed {
+            at: commands.len(),
+            id,
+            group,
+            n,
+            assumed,
+        });
+        commands.push(KeyCommand::counter(keys.place_at(id, assumed)));
+    }
+
+    /// Appends a read of the split state of every slot group `addressed`
+    /// names, after the counter reads: Redis answers the commands of one slot
+    /// in order, so each state is read after the hashes of its group.
+    fn push_states(
+        keys: &KeyLayout,
+        addressed: &[Addressed],
+        commands: &mut Vec<KeyCommand>,
+    ) -> Vec<u32> {
+        let mut groups: Vec<u32> = addressed.iter().map(|a| a.group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        for &group in &groups {
+            commands.push(KeyCommand {
+                name: "HMGET",
+                key: keys.splits_key(group),
+                args: vec!["level".into(), "next".into()],
+            });
+        }
+        groups
+    }
+
+    /// Runs `commands` (counter reads among them, as `addressed` notes) and
+    /// returns their replies; in a growing generation, a counter whose hash
+    /// was split since the state it was addressed with is read again where
+    /// the state read after it says, until every one was read from the hash
+    /// that held it (see [`crate::domain::packing`] for why this never sees
+    /// a count go down).
+    async fn query_counters(
+        &self,
+        keys: &KeyLayout,
+        splits: &SplitCache,
+        mut commands: Vec<KeyCommand>,
+        addressed: Vec<Addressed>,
+    ) -> Result<Vec<Value>, RedisError> {
+        if addressed.is_empty() {
+            return self.query(commands).await;
+        }
+        let own = commands.len();
+        let groups = Self::push_states(keys, &addressed, &mut commands);
+        let replies = self.query(commands).await?;
+        self.settle(keys, splits, replies, addressed, own, groups)
+            .await
+    }
+
+    /// The rest of [`Self::query_counters`]: `replies` holds the answers of
+    /// the first `own` commands, then the states of `groups`, read after
+    /// them; checks every counter against its group's state, and reads again
+    /// what moved.
+    async fn settle(
+        &self,
+        keys: &KeyLayout,
+        splits: &SplitCache,
+        mut replies: Vec<Value>,
+        mut addressed: Vec<Addressed>,
+        own: usize,
+        mut groups: Vec<u32>,
+    ) -> Result<Vec<Value>, RedisError> {
+        for _ in 0..MAX_READDRESS {
+            let states = replies.split_off(own);
+            for (&group, state) in groups.iter().zip(&states) {
+                let (level, next): (Option<u32>, Option<u32>) = redis::from_redis_value_ref(state)?;
+                splits.set(
+                    group,
+                    Splits {
+                        level: level.unwrap_or(0),
+                        next: next.unwrap_or(0),
+                    },
+                );
+            }
+            let moved: Vec<Addressed> = addressed
+                .iter()
+                .filter(|a| !splits.get(a.group).holds(&a.assumed, a.n))
+                .copied()
+                .collect();
+            if moved.is_empty() {
+                return Ok(replies);
+            }
+            let mut again = Vec::with_capacity(moved.len());
+            let mut readdressed = Vec::with_capacity(moved.len());
+            for a in &moved {
+                Self::push_counter(keys, splits, a.id, &mut again, &mut readdressed);
+            }
+            groups = Self::push_states(keys, &readdressed, &mut again);
+            let mut fresh = self.query(again).await?;
+            let fresh_states = fresh.split_off(fresh.len() - groups.len());
+            for (a, value) in moved.iter().zip(fresh) {
+                replies[a.at] = value;
+            }
+            for (r, a) in readdressed.iter_mut().zip(&moved) {
+                r.at = a.at;
+            }
+            addressed = readdressed;
+            replies.extend(fresh_states);
+        }
+        Err(RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "split state",
+            format!(
+                "the hashes of {} split {MAX_READDRESS} times while one read looked for a counter",
+                keys.prefix()
+            ),
+        )))
+    }
+
     async fn fetch_once(&self, posts: &[u64]) -> Result<Vec<Count>, RedisError> {
         let as_of_ms = wall_ms();
-        let (_, keys) = self.layout().await?;
+        let (k, keys) = self.layout().await?;
+        let splits = self.splits_of(k, &keys);
         // The keys of a post without versions of its own, under the default
         // layout the last read found; read with the route hashes.
         let known = self
@@ -476,19 +654,21 @@ impl Reader {
         }
         let mut first = vec![Self::registry_command(&keys, posts)];
         first.extend(posts.iter().map(|&p| Self::route_command(&keys, p)));
+        let mut addressed = Vec::new();
         for &post in posts {
-            first.extend(
-                guess
-                    .places(&keys, post)
-                    .into_iter()
-                    .map(KeyCommand::counter),
-            );
+            for id in guess.counters(post) {
+                Self::push_counter(&keys, &splits, id, &mut first, &mut addressed);
+            }
         }
-        let mut replies = self.query(first).await?;
+        let mut replies = self
+            .query_counters(&keys, &splits, first, addressed)
+            .await?;
         let values = replies.split_off(posts.len() + 1);
         let (defaults, entries) = self.registry_from(&keys, &replies[0])?;
         let mut counts = Vec::with_capacity(posts.len());
-        let mut extra: Vec<(usize, KeyCommand)> = Vec::new();
+        let mut owners: Vec<usize> = Vec::new();
+        let mut extra: Vec<KeyCommand> = Vec::new();
+        let mut extra_addressed = Vec::new();
         for (i, (&post_id, fields)) in posts.iter().zip(&replies[1..]).enumerate() {
             let fields: Vec<(String, String)> = redis::from_redis_value_ref(fields)?;
             let entry = entries.get(i).and_then(Option::as_deref);
@@ -509,7 +689,8 @@ impl Reader {
                         version,
                         bucket,
                     };
-                    extra.push((i, KeyCommand::counter(keys.place_of(id))));
+                    owners.push(i);
+                    Self::push_counter(&keys, &splits, id, &mut extra, &mut extra_addressed);
                 }
             }
             counts.push(Count {
@@ -519,8 +700,10 @@ impl Reader {
             });
         }
         if !extra.is_empty() {
-            let (owners, commands): (Vec<usize>, Vec<_>) = extra.into_iter().unzip();
-            for (i, value) in owners.into_iter().zip(self.query(commands).await?) {
+            let values = self
+                .query_counters(&keys, &splits, extra, extra_addressed)
+                .await?;
+            for (i, value) in owners.into_iter().zip(values) {
                 counts[i].likes += counter_value(&value)?;
             }
         }

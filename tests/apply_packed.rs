@@ -255,14 +255,16 @@ fn arguments_that_do_not_cover_the_hashes_are_refused() {
             .arg(3)
             .arg("f")
             .arg(&["h:1", "h:2"][..])
-            .arg(&[0, 9, -1, 0][..]);
+            .arg(&[0, 9, -1, 0, 0][..]);
         cmd.arg(args);
         cmd
     };
+    // Each hash: its number, its count of pairs, the pairs.
     for args in [
-        &["1", "a", "1"][..],
-        &["1", "a", "1", "2", "b", "1", "c"],
-        &["1", "a", "1", "1", "b", "1", "1", "c", "1"],
+        &["1", "1", "a", "1"][..],
+        &["1", "1", "a", "1", "2", "2", "b", "1", "c"],
+        &["1", "1", "a", "1", "2", "1", "b", "1", "3", "1", "c", "1"],
+        &["1", "1", "a", "1", "x", "1", "b", "1"],
         &["x"],
         &[],
     ] {
@@ -277,7 +279,7 @@ fn arguments_that_do_not_cover_the_hashes_are_refused() {
         let keys: Vec<String> = conn.keys("*").unwrap();
         assert!(keys.is_empty(), "{args:?} wrote {keys:?}");
     }
-    let applied: Vec<i64> = eval(&["1", "a", "2", "2", "b", "1", "c", "-1"])
+    let applied: Vec<i64> = eval(&["1", "1", "a", "2", "2", "2", "b", "1", "c", "-1"])
         .query(&mut conn)
         .unwrap();
     assert_eq!(applied, [0, -1, 2]);

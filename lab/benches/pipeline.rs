@@ -99,6 +99,7 @@ fn call(keys: &KeyLayout, fence_key: &str, prepared: &Prepared) -> redis::Cmd {
         keys,
         fence_key,
         prepared,
+        Default::default(),
     )
 }
 

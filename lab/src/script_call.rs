@@ -4,12 +4,14 @@
 //! by the library's `script_call`, so a benchmark sends what `tally run` sends.
 
 use anyhow::{Context, Result, bail};
+use tally::domain::packing::Splits;
 use tally::domain::routing::{CounterId, KeyLayout};
 use tally::pipeline::aggregate::WindowCell;
 use tally::pipeline::apply::{Prepared, ScriptBody, script_call};
 
 /// Calls the script loaded as `sha` with `deltas` and `windows` under the fence key `fence`;
-/// fails unless it applied.
+/// fails unless it applied. A growing packed layout's call is addressed with one hash first,
+/// and again with the split state the script answers until it applies.
 pub fn apply_once(
     conn: &mut redis::Connection,
     sha: &str,
@@ -27,11 +29,21 @@ pub fn apply_once(
         deltas,
         windows,
     };
-    let reply: Vec<redis::Value> = script_call(ScriptBody::ByHash(sha), layout, fence, &prepared)
-        .query(conn)
-        .context("calling the apply script")?;
-    if !matches!(reply.first(), Some(redis::Value::Int(0))) {
-        bail!("the script did not apply: {reply:?}");
+    let mut splits = Splits::default();
+    loop {
+        let reply: Vec<redis::Value> =
+            script_call(ScriptBody::ByHash(sha), layout, fence, &prepared, splits)
+                .query(conn)
+                .context("calling the apply script")?;
+        match reply.as_slice() {
+            [redis::Value::Int(0), ..] => return Ok(()),
+            [redis::Value::Int(5), _, _, level, next] => {
+                splits = Splits {
+                    level: redis::from_redis_value_ref(level)?,
+                    next: redis::from_redis_value_ref(next)?,
+                };
+            }
+            _ => bail!("the script did not apply: {reply:?}"),
+        }
     }
-    Ok(())
 }

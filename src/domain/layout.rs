@@ -63,6 +63,13 @@
 //! into it and leave its windows short, so it refuses the prefix instead.
 //! The windows of a prefix never change: a window added later would hold a
 //! part of its likes.
+//!
+//! Format 5 adds packed generations whose hashes split as they fill
+//! (`growing:<fields>`, see [`crate::domain::packing`]): their counters are
+//! placed by a split state a build of format 4 does not read, so a record
+//! with such a generation is written as format 5 (raised to it before the
+//! first of its keys is written), and a build of format 4 refuses the prefix
+//! instead of looking for its counters in the wrong hashes.
 
 pub mod adopt;
 
@@ -80,8 +87,11 @@ use crate::infra::config::{DEFAULT_BUCKETS, StoreSettings};
 use crate::infra::store::Lua;
 use crate::infra::store::{ConnectError, RedisUrl, Shared, Target};
 
-/// The newest format of the record this build writes and reads.
-pub const FORMAT: u32 = 4;
+/// The newest format of the record this build writes and reads: a record
+/// with a packed generation whose hashes split as they fill.
+pub const FORMAT: u32 = 5;
+/// The format of a record with windows and no growing generation.
+pub const WINDOWS_FORMAT: u32 = 4;
 /// The format of a record with a packed generation and no windows.
 pub const PACKED_FORMAT: u32 = 3;
 /// The format of a record whose generations all keep string keys.
@@ -370,6 +380,11 @@ impl Record {
                 "it names a packed generation but its format is older than 3",
             ));
         }
+        if format < FORMAT && packed.values().any(|p| p.growing().is_some()) {
+            return Err(damaged(
+                "it names a packed generation whose hashes grow but its format is older than 5",
+            ));
+        }
         let windows = match fields.iter().find(|(f, _)| f == "windows") {
             None => Windows::none(),
             Some((_, sizes)) => {
@@ -388,7 +403,7 @@ impl Record {
                 .map_err(|e| damaged(&format!("windows: {e}")))?
             }
         };
-        if format < FORMAT && !windows.is_empty() {
+        if format < WINDOWS_FORMAT && !windows.is_empty() {
             return Err(damaged("it names windows but its format is older than 4"));
         }
         Ok(Record {
@@ -605,8 +620,11 @@ pub async fn generation_keys(
 /// The format a record with these packed generations and windows is
 /// written with: the oldest whose builds read all of it.
 pub fn format_for(packed: &BTreeMap<u64, Packing>, windows: &Windows) -> u32 {
+    if packed.values().any(|p| p.growing().is_some()) {
+        return FORMAT;
+    }
     match (packed.is_empty(), windows.is_empty()) {
-        (_, false) => FORMAT,
+        (_, false) => WINDOWS_FORMAT,
         (false, true) => PACKED_FORMAT,
         (true, true) => STRINGS_FORMAT,
     }
@@ -652,7 +670,11 @@ pub async fn record_packing(
             return Ok(());
         }
     }
-    raise_format(store, base, record, PACKED_FORMAT).await?;
+    let needed = match packing.growing() {
+        Some(_) => FORMAT,
+        None => PACKED_FORMAT,
+    };
+    raise_format(store, base, record, needed).await?;
     store
         .call(|mut s| {
             let (key, field) = (key.clone(), field.clone());
@@ -1015,6 +1037,44 @@ mod tests {
     }
 
     #[test]
+    fn growing_generations_need_format_5() {
+        use crate::domain::packing::Growing;
+        let writer = WriterLayout {
+            buckets: None,
+            slot_groups: 1,
+            topic: "likes".into(),
+            group: "tally".into(),
+            packing: Some(Wanted::Packed {
+                counters: None,
+                fields: None,
+            }),
+            windows: None,
+        };
+        let record = Record::of_writer(&writer, 1);
+        assert_eq!(record.format, FORMAT);
+        let shape = Packing::Growing(Growing { fields: 40 });
+        assert_eq!(record.packing_of(0), shape);
+        let fields = record.fields();
+        assert!(fields.contains(&("layout".into(), "growing:40".into())));
+        assert_eq!(
+            Record::from_fields("t:layout", &fields)
+                .unwrap()
+                .packing_of(0),
+            shape
+        );
+        // Written as format 4, a build of format 4 would misplace its counters.
+        let older: Vec<(String, String)> = fields
+            .into_iter()
+            .map(|(f, v)| match f.as_str() {
+                "format" => (f, WINDOWS_FORMAT.to_string()),
+                _ => (f, v),
+            })
+            .collect();
+        let damaged = Record::from_fields("t:layout", &older).unwrap_err();
+        assert!(damaged.to_string().contains("older than 5"), "{damaged}");
+    }
+
+    #[test]
     fn packed_generations_are_recorded_and_named_by_writers() {
         use crate::domain::packing::Packed;
         let writer = WriterLayout {
@@ -1023,8 +1083,8 @@ mod tests {
             topic: "likes".into(),
             group: "tally".into(),
             packing: Some(Wanted::Packed {
-                counters: 1_000_000,
-                fields: 64,
+                counters: Some(1_000_000),
+                fields: Some(64),
             }),
             windows: None,
         };
@@ -1157,7 +1217,7 @@ mod tests {
             windows: Some(windows.clone()),
         };
         let record = Record::of_writer(&writer, 1);
-        assert_eq!(record.format, FORMAT);
+        assert_eq!(record.format, WINDOWS_FORMAT);
         let read = Record::from_fields("t:layout", &record.fields()).unwrap();
         assert_eq!(read.windows, windows);
         let older: Vec<(String, String)> = record

@@ -20,24 +20,70 @@
 //! bytes of its listpack, where 20 digits of text would take 21.
 //!
 //! A hash is cheap only while Redis keeps it as a listpack: up to
-//! `hash-max-listpack-entries` fields (128 unless configured). The number of
-//! hashes is fixed when the generation is created, from the counters it is
-//! sized for and the fields wanted per hash; writers refuse a server whose
-//! limit is below [`Packed::entries_needed`], and report any hash they see
-//! filled past the limit.
+//! `hash-max-listpack-entries` fields (128 unless configured). A generation
+//! made with a fixed number of hashes ([`Packed`], sized for a number of
+//! counters when it is made) keeps it; a *growing* one ([`Growing`], the
+//! default) splits its hashes as they fill, below.
+//!
+//! # Growing hashes: linear hashing per slot group
+//!
+//! Each slot group of a growing generation holds `2^level + next` hashes,
+//! numbered from 0, and a *split state* `(level, next)` kept in the hash
+//! `<prefix>:packstate` of the group's slot (fields `level`, `next`, and
+//! `fields`, the counters the group holds; absent means `(0, 0)`, one hash).
+//! A counter's field is placed by [`field_hash`] of its field, `h`: its hash
+//! is `h mod 2^level`, or `h mod 2^(level+1)` when that is below `next`
+//! ([`Splits::address`]). When the group holds more than `fields` counters a
+//! hash on average, the apply script splits hash `next`: every field whose
+//! `h mod 2^(level+1)` is `next + 2^level` moves to that new hash, and `next`
+//! advances (at `2^level` the level rises and `next` starts again at 0). One
+//! split moves one hash's fields, a few dozen, so splits spread over the
+//! calls that fill the group and none makes a script long.
+//!
+//! **Why no count is lost or doubled.** A field lives in exactly one hash at
+//! every moment: the split that moves it runs in the same script, in the same
+//! slot, as the split state it advances, and every write checks that state:
+//! a writer's call names the split state it addressed its fields with, and
+//! the script refuses the call, writing nothing, when any hash it names was
+//! split since (its level under the stored state is not the one the caller
+//! assumed), returning the stored state so that the caller addresses again.
+//! A write therefore always lands where the stored state says, and the
+//! fence's argument (apply.lua) is untouched: the split is one more write of
+//! a script that either runs whole or not at all.
+//!
+//! **Why a reader never sees a count go down because a field moved.** A
+//! reader addresses a field with a split state it read a moment ago, reads
+//! the hash, and reads the split state again after it, on the same
+//! connection, in the same slot: Redis runs the two in order. Levels only
+//! rise, so if the hash's level in the later state is the one the reader
+//! assumed, the hash was not split between the reader's two reads of the
+//! state, and the field was where the reader looked ([`Splits::holds`]).
+//! Otherwise the reader addresses the field again with the newer state and
+//! reads once more. A store that went back in time (a restart from an AOF, a
+//! failover) took its split state back with its fields, and the same check
+//! sends the reader to the older place.
 
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh64::xxh64;
 
-pub use crate::infra::config::packing::{
-    DEFAULT_PACKED_COUNTERS, DEFAULT_PACKED_FIELDS, MAX_PACKED_FIELDS,
-};
+pub use crate::infra::config::packing::{DEFAULT_PACKED_FIELDS, MAX_PACKED_FIELDS};
 use crate::infra::config::packing::{LayoutName, PackingSettings};
 
 /// Seed of the hash that picks a counter's hash key. Part of the packed
 /// layout's contract.
 pub const PACK_SEED: u64 = 0x7061_636b; // "pack"
+
+/// Counters per hash a growing generation keeps on average unless told
+/// otherwise. Hashes about to split hold up to twice the average, so 40
+/// keeps the fullest near 80 fields and far below Redis's default
+/// `hash-max-listpack-entries` of 128, for about 15 bytes a counter.
+pub const DEFAULT_GROWING_FIELDS: u32 = 40;
+
+/// The most levels a slot group's hashes grow to: 2^31 hashes a group.
+pub const MAX_LEVEL: u32 = 31;
 
 /// How a generation keeps its counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -45,8 +91,158 @@ pub enum Packing {
     /// A string key per counter, added to with INCRBY (the default).
     #[default]
     Strings,
-    /// Fields of small hashes, added to with HINCRBY.
+    /// Fields of small hashes, added to with HINCRBY, in a number of hashes
+    /// fixed when the generation was made.
     Packed(Packed),
+    /// Fields of small hashes that split as they fill.
+    Growing(Growing),
+}
+
+/// The shape of a growing packed generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growing {
+    /// Counters per hash on average: a slot group's next hash splits when
+    /// the group holds more than this many a hash.
+    pub fields: u32,
+}
+
+impl Growing {
+    /// The `hash-max-listpack-entries` a server needs so that no hash leaves
+    /// the listpack encoding: the hashes next in line to split hold twice the
+    /// average, plus five standard deviations of their spread.
+    pub fn entries_needed(&self) -> u64 {
+        let fullest = 2.0 * f64::from(self.fields);
+        (fullest + 5.0 * fullest.sqrt()).ceil() as u64
+    }
+}
+
+/// Where a growing slot group stands in its splits: `2^level + next` hashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, PartialOrd, Ord)]
+pub struct Splits {
+    /// Hashes below `next` have been split at this level.
+    pub level: u32,
+    /// The next hash to split.
+    pub next: u32,
+}
+
+impl Splits {
+    /// The hashes of the group.
+    pub fn hashes(&self) -> u64 {
+        (1u64 << self.level) + u64::from(self.next)
+    }
+
+    /// The hash a field of hash `h` ([`field_hash`]) lives in.
+    pub fn address(&self, h: u32) -> u32 {
+        let low = u64::from(h) % (1u64 << self.level);
+        if low < u64::from(self.next) {
+            (u64::from(h) % (1u64 << (self.level + 1))) as u32
+        } else {
+            low as u32
+        }
+    }
+
+    /// The level of hash `n`: how many low bits of a field's hash its
+    /// number fixes; `None` when the group has no such hash.
+    pub fn level_of(&self, n: u32) -> Option<u32> {
+        let n = u64::from(n);
+        if n >= self.hashes() {
+            None
+        } else if n < u64::from(self.next) || n >= 1u64 << self.level {
+            Some(self.level + 1)
+        } else {
+            Some(self.level)
+        }
+    }
+
+    /// Whether hash `n`, addressed under `assumed`, still holds what it
+    /// held then: it exists and was not split since.
+    pub fn holds(&self, assumed: &Splits, n: u32) -> bool {
+        assumed.level_of(n).is_some() && self.level_of(n) == assumed.level_of(n)
+    }
+
+    /// The state after one more split.
+    pub fn split_once(&self) -> Splits {
+        if u64::from(self.next) + 1 == 1u64 << self.level {
+            Splits {
+                level: self.level + 1,
+                next: 0,
+            }
+        } else {
+            Splits {
+                level: self.level,
+                next: self.next + 1,
+            }
+        }
+    }
+
+    /// The state packed into one number, for a cache cell.
+    pub fn to_bits(self) -> u64 {
+        (u64::from(self.level) << 32) | u64::from(self.next)
+    }
+
+    /// The state a cache cell holds.
+    pub fn from_bits(bits: u64) -> Splits {
+        Splits {
+            level: (bits >> 32) as u32,
+            next: bits as u32,
+        }
+    }
+}
+
+/// The split states last seen of each slot group of one growing
+/// generation, shared by the tasks that address its fields. A state seen
+/// late only costs a call that is refused and addressed again.
+#[derive(Debug, Clone)]
+pub struct SplitCache(Arc<[AtomicU64]>);
+
+impl SplitCache {
+    /// A cache for `groups` slot groups, each at one hash.
+    pub fn new(groups: u32) -> SplitCache {
+        SplitCache((0..groups.max(1)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    /// The state last seen of `group`.
+    pub fn get(&self, group: u32) -> Splits {
+        self.0
+            .get(group as usize)
+            .map_or_else(Splits::default, |cell| {
+                Splits::from_bits(cell.load(Ordering::Relaxed))
+            })
+    }
+
+    /// Records the state of `group` a reply carried.
+    pub fn set(&self, group: u32, splits: Splits) {
+        if let Some(cell) = self.0.get(group as usize) {
+            cell.store(splits.to_bits(), Ordering::Relaxed);
+        }
+    }
+}
+
+/// Fields and their [`field_hash`], as docs/design.md publishes them.
+pub const FIELD_HASH_VECTORS: [(&str, u32); 5] = [
+    ("", 2_872_998_923),
+    ("42", 686_566_589),
+    ("-1", 2_139_564_650),
+    ("42:v2:b7", 3_435_063_479),
+    ("9223372036854775807", 3_002_603_485),
+];
+
+/// The hash of a packed field that places it in a growing generation:
+/// FNV-1a (32 bits) of the field's bytes, then MurmurHash3's 32-bit
+/// finaliser so that its low bits, which pick the hash, depend on every
+/// byte. Part of the layout's contract; `apply_packed.lua` computes the same
+/// when it splits a hash (tests hold the two to the same vectors).
+pub fn field_hash(field: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for &byte in field {
+        h ^= u32::from(byte);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
 }
 
 /// The shape of a packed generation.
@@ -98,13 +294,14 @@ impl fmt::Display for Packing {
         match self {
             Packing::Strings => f.write_str("strings"),
             Packing::Packed(p) => write!(f, "packed:{}:{}", p.hashes, p.fields),
+            Packing::Growing(g) => write!(f, "growing:{}", g.fields),
         }
     }
 }
 
 /// A packing as the layout record writes it could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a packing (strings, or packed:<hashes>:<fields>)")]
+#[error("{0:?} is not a packing (strings, packed:<hashes>:<fields> or growing:<fields>)")]
 pub struct BadPacking(pub String);
 
 impl std::str::FromStr for Packing {
@@ -115,6 +312,13 @@ impl std::str::FromStr for Packing {
             return Ok(Packing::Strings);
         }
         let bad = || BadPacking(text.to_string());
+        if let Some(fields) = text.strip_prefix("growing:") {
+            let fields: u32 = fields.parse().map_err(|_| bad())?;
+            if fields == 0 || fields > MAX_PACKED_FIELDS {
+                return Err(bad());
+            }
+            return Ok(Packing::Growing(Growing { fields }));
+        }
         let rest = text.strip_prefix("packed:").ok_or_else(bad)?;
         let (hashes, fields) = rest.split_once(':').ok_or_else(bad)?;
         let hashes: u32 = hashes.parse().map_err(|_| bad())?;
@@ -132,12 +336,13 @@ pub enum Wanted {
     /// A string key per counter.
     #[default]
     Strings,
-    /// Hashes sized for `counters` at `fields` per hash.
+    /// Hashes sized for `counters` at `fields` per hash, or, without
+    /// `counters`, hashes that split as they fill, `fields` a hash on average.
     Packed {
-        /// Counters to size for.
-        counters: u64,
-        /// Fields per hash.
-        fields: u32,
+        /// Counters to size for; `None` for hashes that grow.
+        counters: Option<u64>,
+        /// Fields per hash; `None` for the default of the kind.
+        fields: Option<u32>,
     },
 }
 
@@ -157,9 +362,20 @@ impl Wanted {
     pub fn packing(&self, groups: u32) -> Packing {
         match *self {
             Wanted::Strings => Packing::Strings,
-            Wanted::Packed { counters, fields } => {
-                Packing::Packed(Packed::sized(counters, fields, groups))
-            }
+            Wanted::Packed {
+                counters: Some(counters),
+                fields,
+            } => Packing::Packed(Packed::sized(
+                counters,
+                fields.unwrap_or(DEFAULT_PACKED_FIELDS),
+                groups,
+            )),
+            Wanted::Packed {
+                counters: None,
+                fields,
+            } => Packing::Growing(Growing {
+                fields: fields.unwrap_or(DEFAULT_GROWING_FIELDS),
+            }),
         }
     }
 
@@ -177,15 +393,37 @@ impl Packing {
     pub fn name(&self) -> &'static str {
         match self {
             Packing::Strings => "strings",
-            Packing::Packed(_) => "packed",
+            Packing::Packed(_) | Packing::Growing(_) => "packed",
         }
     }
 
-    /// The packed shape, if packed.
+    /// Whether counters are fields of hashes, fixed or growing.
+    pub fn is_packed(&self) -> bool {
+        !matches!(self, Packing::Strings)
+    }
+
+    /// The growing shape, if its hashes split as they fill.
+    pub fn growing(&self) -> Option<&Growing> {
+        match self {
+            Packing::Growing(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// The `hash-max-listpack-entries` the server needs; 0 for string keys.
+    pub fn entries_needed(&self) -> u64 {
+        match self {
+            Packing::Strings => 0,
+            Packing::Packed(p) => p.entries_needed(),
+            Packing::Growing(g) => g.entries_needed(),
+        }
+    }
+
+    /// The fixed packed shape, if packed with a fixed number of hashes.
     pub fn packed(&self) -> Option<&Packed> {
         match self {
-            Packing::Strings => None,
             Packing::Packed(p) => Some(p),
+            _ => None,
         }
     }
 }

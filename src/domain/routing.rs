@@ -15,7 +15,7 @@ use xxhash_rust::xxh64::xxh64;
 
 use std::sync::Arc;
 
-use crate::domain::packing::Packing;
+use crate::domain::packing::{Packing, Splits, field_hash};
 use crate::domain::slots::SlotGroups;
 use crate::domain::windows::{WindowSize, Windows};
 
@@ -270,23 +270,60 @@ impl KeyLayout {
     }
 
     /// Writes the key of a counter into `out`, replacing its contents: its
-    /// string key, or the hash holding its field when packed.
+    /// string key, or the hash holding its field when packed. `splits` is the
+    /// split state of the counter's slot group when its hashes grow (see
+    /// [`crate::domain::packing`]), and ignored otherwise.
     ///
     /// Lets the hot path reuse one buffer instead of allocating a key per entry.
-    pub fn write_counter_key(&self, out: &mut String, id: CounterId) {
-        out.clear();
-        // Writing to a String cannot fail.
+    pub fn write_counter_key(&self, out: &mut String, id: CounterId, splits: Splits) {
         match &self.packing {
             Packing::Strings => {
+                out.clear();
                 let _ = write!(out, "{}:likes:", self.prefix);
                 write_tail(out, id, false);
+                self.write_tag(out, self.groups.group_of(id.post_id, id.bucket));
             }
-            Packing::Packed(packed) => {
-                let n = packed.hash_of(id.post_id, id.version, id.bucket);
-                let _ = write!(out, "{}:packed:{n}", self.prefix);
+            _ => {
+                let n = self.hash_number(id, splits, &mut String::with_capacity(32));
+                self.write_hash_key(out, n, self.groups.group_of(id.post_id, id.bucket));
             }
         }
-        self.write_tag(out, self.groups.group_of(id.post_id, id.bucket));
+    }
+
+    /// The number of the hash a packed counter's field lives in, within its
+    /// slot group, under `splits` when the hashes grow; `field` is a buffer
+    /// the field may be written into. 0 for string keys.
+    pub fn hash_number(&self, id: CounterId, splits: Splits, field: &mut String) -> u32 {
+        match &self.packing {
+            Packing::Strings => 0,
+            Packing::Packed(packed) => packed.hash_of(id.post_id, id.version, id.bucket),
+            Packing::Growing(_) => {
+                self.write_field(field, id);
+                splits.address(field_hash(field.as_bytes()))
+            }
+        }
+    }
+
+    /// Writes the key of hash `n` of slot group `group` (packed layouts)
+    /// into `out`, replacing its contents.
+    pub fn write_hash_key(&self, out: &mut String, n: u32, group: u32) {
+        out.clear();
+        let _ = write!(out, "{}:packed:{n}", self.prefix);
+        self.write_tag(out, group);
+    }
+
+    /// The key a growing generation keeps the split state of slot group
+    /// `group` in: a hash with `level`, `next` and `fields`, in the group's
+    /// slot (see [`crate::domain::packing`]).
+    pub fn splits_key(&self, group: u32) -> String {
+        let mut key = format!("{}:packstate", self.prefix);
+        self.write_tag(&mut key, group);
+        key
+    }
+
+    /// The slot group of a counter.
+    pub fn group_of(&self, id: CounterId) -> u32 {
+        self.groups.group_of(id.post_id, id.bucket)
     }
 
     /// Writes the field of a counter into `out`, replacing its contents; the
@@ -296,17 +333,25 @@ impl KeyLayout {
         write_tail(out, id, true);
     }
 
-    /// The key of a counter: its string key, or the hash holding it.
-    pub fn key_of(&self, id: CounterId) -> String {
+    /// The key of a counter: its string key, or the hash holding it, under
+    /// `splits` when the hashes grow.
+    pub fn key_at(&self, id: CounterId, splits: Splits) -> String {
         let mut key = String::new();
-        self.write_counter_key(&mut key, id);
+        self.write_counter_key(&mut key, id, splits);
         key
     }
 
-    /// Where a counter is kept.
-    pub fn place_of(&self, id: CounterId) -> Place {
-        let key = self.key_of(id);
-        let field = self.packing.packed().map(|_| {
+    /// The key of a counter in a layout whose places never move (string keys,
+    /// or a fixed number of hashes); in a growing one, its key before any
+    /// split, which [`KeyLayout::key_at`] corrects.
+    pub fn key_of(&self, id: CounterId) -> String {
+        self.key_at(id, Splits::default())
+    }
+
+    /// Where a counter is kept, under `splits` when the hashes grow.
+    pub fn place_at(&self, id: CounterId, splits: Splits) -> Place {
+        let key = self.key_at(id, splits);
+        let field = self.packing.is_packed().then(|| {
             let mut field = String::new();
             self.write_field(&mut field, id);
             field
@@ -314,9 +359,20 @@ impl KeyLayout {
         Place { key, field }
     }
 
+    /// Where a counter is kept in a layout whose places never move; see
+    /// [`KeyLayout::key_of`].
+    pub fn place_of(&self, id: CounterId) -> Place {
+        self.place_at(id, Splits::default())
+    }
+
     /// Whether counters are fields of hashes.
     pub fn is_packed(&self) -> bool {
-        self.packing.packed().is_some()
+        self.packing.is_packed()
+    }
+
+    /// Whether a packed generation's hashes split as they fill.
+    pub fn is_growing(&self) -> bool {
+        self.packing.growing().is_some()
     }
 
     /// The glob pattern matching every key that holds counters: the string
@@ -324,7 +380,7 @@ impl KeyLayout {
     pub fn counters_pattern(&self) -> String {
         match self.packing {
             Packing::Strings => format!("{}:likes:*", self.prefix),
-            Packing::Packed(_) => format!("{}:packed:*", self.prefix),
+            Packing::Packed(_) | Packing::Growing(_) => format!("{}:packed:*", self.prefix),
         }
     }
 

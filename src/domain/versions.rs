@@ -651,19 +651,24 @@ impl PostMeta {
             .collect()
     }
 
-    /// Where every counter of the post is kept.
+    /// Where every counter of the post is kept, in a layout whose places
+    /// never move (a growing one's are addressed by its split states, see
+    /// [`crate::read`]).
     pub fn places(&self, layout: &KeyLayout, post_id: u64) -> Vec<Place> {
-        self.versions
-            .iter()
-            .flat_map(|&(version, buckets)| {
-                (0..buckets).map(move |bucket| CounterId {
-                    post_id,
-                    version,
-                    bucket,
-                })
-            })
+        self.counters(post_id)
             .map(|id| layout.place_of(id))
             .collect()
+    }
+
+    /// Every counter of the post, version by version.
+    pub fn counters(&self, post_id: u64) -> impl Iterator<Item = CounterId> + '_ {
+        self.versions.iter().flat_map(move |&(version, buckets)| {
+            (0..buckets).map(move |bucket| CounterId {
+                post_id,
+                version,
+                bucket,
+            })
+        })
     }
 }
 

@@ -148,6 +148,9 @@ pub const PACKED_FILL_MAX: &str = "tally_packed_hash_fill_max";
 /// The server's `hash-max-listpack-entries`, read at start (0 on string
 /// keys): a hash with more fields has left the compact encoding.
 pub const PACKED_FILL_LIMIT: &str = "tally_packed_hash_fill_limit";
+/// Calls of a growing packed generation refused because a hash they named
+/// was split since their split state, and addressed again.
+pub const PACKED_RESPLITS: &str = "tally_packed_resplits_total";
 
 /// Posts with routing metadata in this consumer's view of the registry.
 pub const ROUTED_POSTS: &str = "tally_routed_posts";
@@ -419,6 +422,11 @@ pub const ALL: &[(&str, Kind, &str)] = &[
         "The server's hash-max-listpack-entries, read at start (0 on string keys).",
     ),
     (
+        PACKED_RESPLITS,
+        Kind::Counter,
+        "Script calls of a packed generation whose hashes grow that named a hash split since the state they were addressed with: refused with nothing written, and sent again addressed anew.",
+    ),
+    (
         ROUTED_POSTS,
         Kind::Gauge,
         "Posts with routing metadata in this consumer's view of the registry.",
@@ -531,6 +539,7 @@ pub fn describe(bad_reasons: &[&'static str]) {
     };
     gauge!(PACKED_FILL_MAX).set(known(&PACKED_FILL));
     gauge!(PACKED_FILL_LIMIT).set(known(&PACKED_LIMIT));
+    counter!(PACKED_RESPLITS).absolute(0);
     gauge!(FENCE_AHEAD).set(0.0);
     gauge!(ROUTING_FINAL_AHEAD).set(0.0);
     gauge!(ROUTING_UNFREEZES).set(0.0);
@@ -672,6 +681,11 @@ pub fn packed_fill(fields: u64) -> bool {
 pub fn packed_fill_limit(entries: u64) {
     PACKED_LIMIT.store(entries, std::sync::atomic::Ordering::Relaxed);
     gauge!(PACKED_FILL_LIMIT).set(entries as f64);
+}
+
+/// Records a call refused for a split state that moved on, sent again.
+pub fn packed_resplit() {
+    counter!(PACKED_RESPLITS).increment(1);
 }
 
 /// Records a script that refused a counter key and wrote nothing.

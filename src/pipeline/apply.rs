@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::error;
 
 use crate::domain::fence::{Decision, PartitionFences, Reply};
+use crate::domain::packing::{SplitCache, Splits};
 use crate::domain::routing::{CounterId, KeyLayout};
 use crate::domain::windows;
 use crate::infra::retry::{GaveUp, RedisFailure, classify_redis, retry_redis};
@@ -63,11 +64,14 @@ pub const APPLY_LUA: &str = concat!(
 );
 
 /// The script of a packed generation (see [`crate::domain::packing`]): the
-/// same fence and decisions, its counters fields of hashes.
+/// same fence and decisions, its counters fields of hashes, which split as
+/// they fill when the generation's hashes grow (field_hash.lua places a
+/// field as [`crate::domain::packing::field_hash`] does).
 pub const APPLY_PACKED_LUA: &str = concat!(
     include_str!("../infra/acl_check.lua"),
     include_str!("apply_fence.lua"),
     include_str!("windows.lua"),
+    include_str!("field_hash.lua"),
     include_str!("apply_packed.lua")
 );
 
@@ -93,6 +97,13 @@ fn server_refusal(error: &str) -> Option<RedisError> {
 
 /// The script's code for a counter key INCRBY refused (beyond the decision table).
 const REFUSED: i64 = 4;
+/// The packed script's code for a call addressed with a split state older
+/// than a hash it names: nothing written, address again.
+const RESPLIT: i64 = 5;
+/// The resplit answers one call takes before it is an error: each comes
+/// with the state stored, so only splits made by other calls in between
+/// bring another.
+const MAX_RESPLITS: usize = 1000;
 
 /// Errors that end an apply.
 #[derive(Debug, thiserror::Error)]
@@ -166,20 +177,27 @@ impl Prepared {
 
 /// How many counter keys a call names: one per counter, or one per hash
 /// when packed.
-fn counter_keys(keys: &KeyLayout, prepared: &Prepared) -> usize {
-    match keys.packing().packed() {
-        None => prepared.deltas.len(),
-        Some(packed) => {
-            let mut hashes: Vec<u32> = prepared
-                .deltas
-                .iter()
-                .map(|(id, _)| packed.hash_of(id.post_id, id.version, id.bucket))
-                .collect();
-            hashes.sort_unstable();
-            hashes.dedup();
-            hashes.len()
-        }
+fn counter_keys(keys: &KeyLayout, prepared: &Prepared, splits: Splits) -> usize {
+    match keys.is_packed() {
+        false => prepared.deltas.len(),
+        true => hash_order(keys, prepared, splits)
+            .chunk_by(|a, b| a.0 == b.0)
+            .count(),
     }
+}
+
+/// The number of the hash each counter of a packed call lives in, with
+/// the counter's index, in hash order.
+fn hash_order(keys: &KeyLayout, prepared: &Prepared, splits: Splits) -> Vec<(u32, usize)> {
+    let mut field = String::with_capacity(32);
+    let mut order: Vec<(u32, usize)> = prepared
+        .deltas
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| (keys.hash_number(*id, splits, &mut field), i))
+        .collect();
+    order.sort_unstable();
+    order
 }
 
 /// Writes the key of the counts (or, with `leaders`, of the leaders) of the
@@ -243,11 +261,16 @@ pub enum ScriptBody<'a> {
 /// The call of `apply.lua` for one slot group's share of a batch. Keys are
 /// written into one reused buffer and copied straight into the command's
 /// argument buffer.
+///
+/// `splits` is the split state of the group the caller last saw, when the
+/// generation's hashes grow (ignored otherwise): the script refuses the call
+/// when a hash it names was split since (see [`Applier::apply_once`]).
 pub fn script_call(
     body: ScriptBody<'_>,
     keys: &KeyLayout,
     fence_key: &str,
     prepared: &Prepared,
+    splits: Splits,
 ) -> Cmd {
     let mut cmd = match body {
         ScriptBody::ByHash(sha) => {
@@ -262,14 +285,14 @@ pub fn script_call(
         }
     };
     if keys.is_packed() {
-        packed_arguments(&mut cmd, keys, fence_key, prepared);
+        packed_arguments(&mut cmd, keys, fence_key, prepared, splits);
         return cmd;
     }
     let sets = prepared.window_sets().count();
     cmd.arg(prepared.deltas.len() + 1 + 2 * sets).arg(fence_key);
     let mut key = String::with_capacity(64);
     for (id, _) in &prepared.deltas {
-        keys.write_counter_key(&mut key, *id);
+        keys.write_counter_key(&mut key, *id, Splits::default());
         cmd.arg(key.as_str());
     }
     window_key_arguments(&mut cmd, &mut key, keys, prepared);
@@ -285,24 +308,27 @@ pub fn script_call(
 }
 
 /// The arguments of `apply_packed.lua`: the hashes in the order of their
-/// number, each with its (field, delta) pairs.
-fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: &Prepared) {
-    let Some(packed) = keys.packing().packed() else {
-        return;
-    };
-    let mut order: Vec<(u32, usize)> = prepared
-        .deltas
-        .iter()
-        .enumerate()
-        .map(|(i, (id, _))| (packed.hash_of(id.post_id, id.version, id.bucket), i))
-        .collect();
-    order.sort_unstable();
+/// number, each with its number and its (field, delta) pairs; for a growing
+/// generation, after the split state they were addressed with.
+fn packed_arguments(
+    cmd: &mut Cmd,
+    keys: &KeyLayout,
+    fence_key: &str,
+    prepared: &Prepared,
+    splits: Splits,
+) {
+    let order = hash_order(keys, prepared, splits);
     let hashes = order.chunk_by(|a, b| a.0 == b.0).count();
     let sets = prepared.window_sets().count();
-    cmd.arg(hashes + 1 + 2 * sets).arg(fence_key);
+    let growing = keys.packing().growing();
+    let state = usize::from(growing.is_some());
+    cmd.arg(hashes + 1 + state + 2 * sets).arg(fence_key);
+    if growing.is_some() {
+        cmd.arg(keys.splits_key(prepared.group));
+    }
     let mut key = String::with_capacity(64);
     for run in order.chunk_by(|a, b| a.0 == b.0) {
-        keys.write_counter_key(&mut key, prepared.deltas[run[0].1].0);
+        keys.write_hash_key(&mut key, run[0].0, prepared.group);
         cmd.arg(key.as_str());
     }
     window_key_arguments(cmd, &mut key, keys, prepared);
@@ -310,9 +336,24 @@ fn packed_arguments(cmd: &mut Cmd, keys: &KeyLayout, fence_key: &str, prepared: 
         .arg(prepared.last)
         .arg(prepared.absent_fence)
         .arg(sets);
+    match growing {
+        Some(growing) => {
+            // The key of hash n is the stem, n, and the tail (the group's tag).
+            keys.write_hash_key(&mut key, 0, prepared.group);
+            let stem_end = keys.prefix().len() + ":packed:".len();
+            cmd.arg(growing.fields)
+                .arg(splits.level)
+                .arg(splits.next)
+                .arg(&key[..stem_end])
+                .arg(&key[stem_end + 1..]);
+        }
+        None => {
+            cmd.arg(0);
+        }
+    }
     let mut field = String::with_capacity(32);
     for run in order.chunk_by(|a, b| a.0 == b.0) {
-        cmd.arg(run.len());
+        cmd.arg(run[0].0).arg(run.len());
         for &(_, i) in run {
             let (id, delta) = prepared.deltas[i];
             keys.write_field(&mut field, id);
@@ -337,6 +378,7 @@ pub struct Applier {
     store: Shared,
     sha: String,
     fences: FenceReader,
+    splits: SplitCache,
 }
 
 impl Applier {
@@ -349,6 +391,7 @@ impl Applier {
             sha: redis::Script::new(script_text(&keys))
                 .get_hash()
                 .to_string(),
+            splits: SplitCache::new(keys.groups().count()),
             fences: FenceReader::new(target, keys, group, topic),
         }
     }
@@ -359,6 +402,7 @@ impl Applier {
             sha: redis::Script::new(script_text(&keys))
                 .get_hash()
                 .to_string(),
+            splits: SplitCache::new(keys.groups().count()),
             fences: self.fences.with_keys(keys),
             ..self.clone()
         }
@@ -396,9 +440,66 @@ impl Applier {
             .await
     }
 
-    fn command(&self, prepared: &Prepared, body: ScriptBody<'_>) -> Cmd {
+    fn command(&self, prepared: &Prepared, body: ScriptBody<'_>, splits: Splits) -> Cmd {
         let fence_key = self.fences.fence_key(prepared.partition, prepared.group);
-        script_call(body, self.keys(), &fence_key, prepared)
+        script_call(body, self.keys(), &fence_key, prepared, splits)
+    }
+
+    /// The split states this applier last saw (growing generations).
+    pub fn splits(&self) -> &SplitCache {
+        &self.splits
+    }
+
+    /// One call of the script; a missing script is sent in full once. A
+    /// growing generation's call addressed with a split state older than a
+    /// hash it names is refused whole by the script, which returns the state
+    /// stored: the call is addressed again with it and sent again, writing
+    /// nothing in between (see [`crate::domain::packing`]).
+    async fn call(&self, prepared: &Prepared) -> Result<Vec<redis::Value>, RedisError> {
+        let group = prepared.group;
+        for _ in 0..MAX_RESPLITS {
+            let splits = self.splits.get(group);
+            let reply: Vec<redis::Value> = self
+                .store
+                .call(|mut store| async move {
+                    let by_hash = self.command(prepared, ScriptBody::ByHash(&self.sha), splits);
+                    match by_hash.query_async(&mut store).await {
+                        Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
+                            crate::infra::metrics::script_reloaded();
+                            let full = self.command(prepared, ScriptBody::Full, splits);
+                            full.query_async(&mut store).await
+                        }
+                        other => other,
+                    }
+                })
+                .await?;
+            // The split state of a growing generation's replies: after the
+            // fence and the fill.
+            let number = |i: usize| {
+                reply
+                    .get(i)
+                    .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
+            };
+            let state = number(3)
+                .zip(number(4))
+                .map(|(level, next)| Splits { level, next });
+            let code = reply
+                .first()
+                .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok());
+            if let Some(state) = state {
+                self.splits.set(group, state);
+            }
+            if code == Some(RESPLIT) && state.is_some() {
+                crate::infra::metrics::packed_resplit();
+                continue;
+            }
+            return Ok(reply);
+        }
+        Err(RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "apply_packed.lua reply",
+            format!("{MAX_RESPLITS} calls in a row were refused for a split state that moved on"),
+        )))
     }
 
     /// One attempt; a missing script is sent in full once. `Ok(Err(..))`
@@ -407,20 +508,7 @@ impl Applier {
         &self,
         prepared: &Prepared,
     ) -> Result<Result<Reply, ApplyError>, RedisError> {
-        let reply: Vec<redis::Value> = self
-            .store
-            .call(|mut store| async move {
-                let by_hash = self.command(prepared, ScriptBody::ByHash(&self.sha));
-                match by_hash.query_async(&mut store).await {
-                    Err(error) if classify_redis(&error) == RedisFailure::NoScript => {
-                        crate::infra::metrics::script_reloaded();
-                        let full = self.command(prepared, ScriptBody::Full);
-                        full.query_async(&mut store).await
-                    }
-                    other => other,
-                }
-            })
-            .await?;
+        let reply = self.call(prepared).await?;
         let unexpected = || {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
@@ -448,7 +536,10 @@ impl Applier {
             }
             // Each window's counts and leaders are the last keys of the call.
             let sets = prepared.window_sets().count();
-            let counters = counter_keys(self.keys(), prepared);
+            // The growing layout's split state comes before the hashes.
+            let state = usize::from(self.keys().is_growing());
+            let index = index.checked_sub(state).ok_or_else(unexpected)?;
+            let counters = counter_keys(self.keys(), prepared, self.splits.get(prepared.group));
             if sets > 0 && index >= counters {
                 let set = prepared
                     .window_sets()
@@ -478,7 +569,8 @@ impl Applier {
                 // Packed: the reply names the field, and the field its counter.
                 Some(field) => {
                     let id = self.keys().parse_field(&field).ok_or_else(unexpected)?;
-                    self.keys().place_of(id).shown()
+                    let splits = self.splits.get(prepared.group);
+                    self.keys().place_at(id, splits).shown()
                 }
                 None => {
                     let (id, _) = prepared.deltas.get(index).ok_or_else(unexpected)?;

@@ -67,37 +67,45 @@ pub fn tally_args(
     .collect()
 }
 
-/// `--layout packed` (sized small, so that a test's few thousand posts fill several hashes)
-/// when `TALLY_TEST_LAYOUT=packed`; nothing otherwise. Any other value stops the test.
+/// `--layout packed` when `TALLY_TEST_LAYOUT=packed`: hashes that grow, a few fields a hash
+/// on average, so that a test's few thousand posts make its hashes split hundreds of times
+/// while it runs; with `packed-fixed`, a fixed number of hashes sized small, so that a test's
+/// posts fill several. Nothing otherwise; any other value stops the test.
 pub fn test_layout() -> Vec<String> {
-    match test_packing() {
-        None => Vec::new(),
-        Some(_) => [
+    let flags: &[&str] = match std::env::var("TALLY_TEST_LAYOUT").as_deref() {
+        Ok("packed") => &["--layout", "packed", "--packed-fields", TEST_GROWING_FIELDS],
+        Ok("packed-fixed") => &[
             "--layout",
             "packed",
             "--packed-counters",
-            &TEST_PACKED_COUNTERS.to_string(),
-        ]
-        .map(String::from)
-        .to_vec(),
-    }
+            TEST_PACKED_COUNTERS,
+        ],
+        _ => &[],
+    };
+    test_packing();
+    flags.iter().map(|f| f.to_string()).collect()
 }
 
-/// The counters a test's packed prefix is sized for.
-const TEST_PACKED_COUNTERS: u64 = 20_000;
+/// The counters a test's packed prefix of a fixed number of hashes is sized for.
+const TEST_PACKED_COUNTERS: &str = "20000";
+/// The fields a hash of a test's growing packed prefix holds on average.
+const TEST_GROWING_FIELDS: &str = "8";
 
-/// The packing of a test's prefix on one server: `None` for string keys, or the hashes
-/// `TALLY_TEST_LAYOUT=packed` sizes (64 fields a hash, one slot group).
+/// The packing of a test's prefix on one server: `None` for string keys, or the packing
+/// [`test_layout`] asks for.
 pub fn test_packing() -> Option<tally::domain::packing::Packing> {
-    use tally::domain::packing::{DEFAULT_PACKED_FIELDS, Packed, Packing};
+    use tally::domain::packing::{DEFAULT_PACKED_FIELDS, Growing, Packed, Packing};
     match std::env::var("TALLY_TEST_LAYOUT").as_deref() {
         Err(_) | Ok("") | Ok("strings") => None,
-        Ok("packed") => Some(Packing::Packed(Packed::sized(
-            TEST_PACKED_COUNTERS,
+        Ok("packed") => Some(Packing::Growing(Growing {
+            fields: TEST_GROWING_FIELDS.parse().expect("a number"),
+        })),
+        Ok("packed-fixed") => Some(Packing::Packed(Packed::sized(
+            TEST_PACKED_COUNTERS.parse().expect("a number"),
             DEFAULT_PACKED_FIELDS,
             1,
         ))),
-        Ok(other) => panic!("TALLY_TEST_LAYOUT={other}: expected strings or packed"),
+        Ok(other) => panic!("TALLY_TEST_LAYOUT={other}: expected strings, packed or packed-fixed"),
     }
 }
 

@@ -116,7 +116,11 @@ pub(super) async fn run(config: &BaselineArgs) -> Result<()> {
                 &mut redis,
             ) {
                 let bucket = bucket_of(like.user_id, DEFAULT_BUCKETS);
-                keys.write_counter_key(&mut key, CounterId::v0(like.post_id, bucket));
+                keys.write_counter_key(
+                    &mut key,
+                    CounterId::v0(like.post_id, bucket),
+                    Default::default(),
+                );
                 let mut incr = redis::cmd(if like.delta > 0 { "INCR" } else { "DECR" });
                 incr.arg(key.as_str());
                 if kind == Baseline::Naive {

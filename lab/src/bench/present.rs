@@ -35,7 +35,7 @@ pub(super) fn seed(
         let mut pipe = redis::pipe();
         for &post in chunk {
             for bucket in 0..buckets {
-                layout.write_counter_key(&mut key, CounterId::v0(post, bucket));
+                layout.write_counter_key(&mut key, CounterId::v0(post, bucket), Default::default());
                 pipe.cmd("SET").arg(key.as_str()).arg(0).ignore();
             }
         }

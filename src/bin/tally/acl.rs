@@ -121,7 +121,9 @@ pub const CLUSTER: &[&str] = &["cluster|slots"];
 
 /// What the packed layout adds to the rules of the commands that write
 /// counters: its apply script adds with HINCRBY, undoes with HDEL and
-/// reports the fullest hash with HLEN.
+/// reports the fullest hash with HLEN (a growing generation's splits move
+/// fields with HGETALL, HSET and HDEL, and its split state is read with
+/// HMGET, which every writer's rule holds).
 pub const PACKED: &[&str] = &["hincrby", "hdel", "hlen"];
 
 /// What windows of trending counts add to the rules of the commands that

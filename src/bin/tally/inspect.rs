@@ -126,11 +126,28 @@ fn key_table(
     for &(version, buckets) in &meta.versions {
         per_primary.iter_mut().for_each(|n| *n = 0);
         for bucket in 0..buckets {
-            let place = keys.place_of(CounterId {
+            let id = CounterId {
                 post_id,
                 version,
                 bucket,
-            });
+            };
+            // A growing generation's hashes: where the group's split state
+            // says now.
+            let splits = match keys.is_growing() {
+                true => {
+                    let (level, next): (Option<u32>, Option<u32>) = redis::cmd("HMGET")
+                        .arg(keys.splits_key(keys.group_of(id)))
+                        .arg("level")
+                        .arg("next")
+                        .query(conn)?;
+                    tally::domain::packing::Splits {
+                        level: level.unwrap_or(0),
+                        next: next.unwrap_or(0),
+                    }
+                }
+                false => Default::default(),
+            };
+            let place = keys.place_at(id, splits);
             let key = place.shown();
             let slot = key_slot(place.key.as_bytes());
             let owner = map.owner_of(slot);

@@ -18,9 +18,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::{Deserialize, Serialize};
 use tally::domain::windows::{self, WindowSettings, Windows};
-use tally::infra::config::packing::{
-    DEFAULT_PACKED_COUNTERS, DEFAULT_PACKED_FIELDS, LayoutName, PackingSettings,
-};
+use tally::infra::config::packing::{LayoutName, PackingSettings};
 use tally::infra::config::{
     self as lib, Batching, ConfigError, GroupProtocol, HotSettings, KafkaSecurity,
     KafkaSecurityInput, KafkaSettings, Password, RedisTlsFiles, RunSettings, StoreSettings,
@@ -264,17 +262,18 @@ pub struct RunArgs {
     #[arg(long, env = "TALLY_LAYOUT", value_parser = layout_parser(), help_heading = REDIS)]
     pub layout: Option<LayoutName>,
 
-    /// Counters a new packed prefix is sized for (the number of hashes is fixed when it is
-    /// made): past about twice this, hashes outgrow Redis's compact encoding, which
-    /// tally_packed_hash_fill_max shows; `tally rebuild --layout packed` sizes it anew.
-    #[arg(long, env = "TALLY_PACKED_COUNTERS", value_name = "N", default_value_t = DEFAULT_PACKED_COUNTERS, help_heading = REDIS)]
-    pub packed_counters: u64,
+    /// Fixes the number of hashes of a new packed prefix, sized for N counters (the layout
+    /// of earlier releases): past about twice N, hashes outgrow Redis's compact encoding.
+    /// Unset (the default), a packed prefix's hashes split as they fill, at any size.
+    #[arg(long, env = "TALLY_PACKED_COUNTERS", value_name = "N", help_heading = REDIS)]
+    pub packed_counters: Option<u64>,
 
-    /// Fields per hash a new packed prefix is sized for. Redis must keep hashes of this many
-    /// fields and eight standard deviations more in a listpack (hash-max-listpack-entries,
-    /// 128 unless set, holds 64), or `tally run` refuses to start.
-    #[arg(long, env = "TALLY_PACKED_FIELDS", value_name = "N", default_value_t = DEFAULT_PACKED_FIELDS, help_heading = REDIS)]
-    pub packed_fields: u32,
+    /// Fields per hash of a new packed prefix: on average when its hashes split as they fill
+    /// (default 40, the fullest hold about twice that), or the size of each of a fixed number
+    /// of hashes (default 64). Redis must keep the fullest in a listpack
+    /// (hash-max-listpack-entries, 128 unless set), or `tally run` refuses to start.
+    #[arg(long, env = "TALLY_PACKED_FIELDS", value_name = "N", help_heading = REDIS)]
+    pub packed_fields: Option<u32>,
 
     /// Windows of trending counts a new prefix keeps, comma-separated (for example
     /// 1m,1h,1d): likes per post per tumbling window of event time, and the posts with the

@@ -4,12 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Counters a packed generation is sized for unless told otherwise.
-pub const DEFAULT_PACKED_COUNTERS: u64 = 10_000_000;
-/// Fields per hash a packed generation is sized for unless told otherwise:
-/// Redis keeps a hash of up to `hash-max-listpack-entries` (128 unless
-/// configured) fields as a listpack, and hashes sized for 64 stay under it
-/// until the generation holds twice the counters it was sized for.
+/// Fields per hash a packed generation of a fixed number of hashes
+/// (`--packed-counters`) is sized for unless told otherwise: Redis keeps a
+/// hash of up to `hash-max-listpack-entries` (128 unless configured) fields
+/// as a listpack, and hashes sized for 64 stay under it until the generation
+/// holds twice the counters it was sized for.
 pub const DEFAULT_PACKED_FIELDS: u32 = 64;
 /// The most fields per hash a generation may be sized for.
 pub const MAX_PACKED_FIELDS: u32 = 4096;
@@ -51,22 +50,14 @@ impl std::str::FromStr for LayoutName {
 }
 
 /// The packing a writer asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PackingSettings {
     /// `--layout`; `None` keeps the one the prefix has (strings on a new one).
     pub layout: Option<LayoutName>,
-    /// `--packed-counters`: counters a packed generation is sized for.
-    pub counters: u64,
-    /// `--packed-fields`: fields per hash.
-    pub fields: u32,
-}
-
-impl Default for PackingSettings {
-    fn default() -> Self {
-        Self {
-            layout: None,
-            counters: DEFAULT_PACKED_COUNTERS,
-            fields: DEFAULT_PACKED_FIELDS,
-        }
-    }
+    /// `--packed-counters`: counters a packed generation with a fixed number
+    /// of hashes is sized for; `None` (the default) for hashes that split as
+    /// they fill.
+    pub counters: Option<u64>,
+    /// `--packed-fields`: fields per hash; `None` for the default of the kind.
+    pub fields: Option<u32>,
 }

@@ -202,12 +202,14 @@ impl RunSettings {
             "each id must be between 1 and 2147483647 (Schema Registry ids are positive 32-bit integers)",
         );
         check(
-            (1..=packing::MAX_PACKED_FIELDS).contains(&self.packing.fields),
+            self.packing
+                .fields
+                .is_none_or(|f| (1..=packing::MAX_PACKED_FIELDS).contains(&f)),
             "packed-fields",
             "must be between 1 and 4096",
         );
         check(
-            self.packing.counters != 0,
+            self.packing.counters != Some(0),
             "packed-counters",
             "must be at least 1",
         );

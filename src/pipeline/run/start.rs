@@ -352,11 +352,11 @@ async fn check_layout(
 /// (see [`guard::check_listpack`]) and records its limit; nothing for
 /// string keys.
 fn check_listpack(opened: &OpenStore, packing: &Packing) -> Result<(), GuardError> {
-    let limit = match packing.packed() {
-        Some(packed) => tokio::task::block_in_place(|| {
-            guard::check_listpack(opened.target(), packed.entries_needed(), LONGEST_FIELD)
+    let limit = match packing.is_packed() {
+        true => tokio::task::block_in_place(|| {
+            guard::check_listpack(opened.target(), packing.entries_needed(), LONGEST_FIELD)
         })?,
-        None => 0,
+        false => 0,
     };
     crate::infra::metrics::packed_fill_limit(limit);
     Ok(())

@@ -105,6 +105,7 @@ pub fn hot_post_slots(
                     layout.write_counter_key(
                         &mut key,
                         tally::domain::routing::CounterId::v0(post, bucket),
+                        Default::default(),
                     );
                     key_slot(key.as_bytes())
                 })
