@@ -594,7 +594,7 @@ impl Applier {
             error!(
                 fields = fill,
                 partition = prepared.partition,
-                "A packed hash holds more fields than the server keeps compact (hash-max-listpack-entries): the prefix holds more counters than it was sized for, and its hashes cost several times the memory; move it to a larger size with `tally rebuild --layout packed --packed-counters N`."
+                "A packed hash holds more fields than the server keeps compact (hash-max-listpack-entries): a prefix of a fixed number of hashes holds more counters than it was sized for (or a growing one's splits fall behind its writes), and its hashes cost several times the memory; move it to hashes that split as they fill with `tally rebuild --layout packed`."
             );
         }
         Ok(Ok(Reply { decision, fence }))

@@ -85,10 +85,10 @@ pub fn layouts(args: &PlanArgs, redis: &Redis) -> Option<Layouts> {
             100.0 * packed.memory_bytes / strings.memory_bytes,
             args.packed_cpu_ratio
         ),
-        (false, true) => format!(
-            "packed (`tally run --layout packed --packed-counters {}`): only packed hashes fit the budget",
-            counters.ceil() as u64
-        ),
+        (false, true) => {
+            "packed (`tally run --layout packed`, whose hashes split as the counters grow): only packed hashes fit the budget"
+                .to_string()
+        }
         (false, false) => {
             "neither layout fits the budget: add memory, or primaries (a cluster splits the counters)"
                 .to_string()
