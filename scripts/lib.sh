@@ -6,6 +6,19 @@ say() {
     printf '[%s] %s\n' "$(basename "$0")" "$*" >&2
 }
 
+# Builds the binaries of the packages named, release profile, showing cargo's progress between
+# a line before and the time it took after: a first build takes minutes, and a quiet one looks
+# hung.
+build_release() {
+    local packages=() package started=$SECONDS
+    for package in "$@"; do
+        packages+=(-p "$package")
+    done
+    say "building $* (release; the first build takes a few minutes)"
+    cargo build --release "${packages[@]}" --bins
+    say "built $* in $((SECONDS - started)) s"
+}
+
 # Runs a command as root (directly, or through sudo when this user is not root).
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then
