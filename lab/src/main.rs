@@ -19,6 +19,7 @@
 //! local         the private Apache Kafka node and redis-server the demo and the benchmarks start
 //! binaries      the `tally` binary and this one, as child processes with no TALLY_* inherited
 //! markdown      the reports' blocks in docs/benchmarks.md: command line, machine, date
+//! logs          log lines on stderr: colour only on a terminal
 //! ```
 //!
 //! The traffic itself comes from the lab's library, [`tally_lab::generate`].
@@ -27,7 +28,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 
 use binaries::Tally;
 
@@ -45,6 +45,7 @@ mod bench_writes;
 mod binaries;
 mod demo;
 mod local;
+mod logs;
 mod markdown;
 mod produce;
 mod script_call;
@@ -84,12 +85,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Warnings only unless TALLY_LOG says otherwise: the demo draws a table on stdout.
-    let filter = EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| "warn".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    logs::init();
     // The demo runs the pipeline in this process: a panic of one of its background tasks ends
     // the command, as it ends `tally run`.
     tally::infra::tasks::install_panic_hook();

@@ -1,6 +1,7 @@
 //! Log lines on stderr: text for people by default, one JSON object a line
 //! with `--log-format json` (`TALLY_LOG_FORMAT=json`) for a log shipper.
 
+use std::ffi::OsString;
 use std::io::IsTerminal as _;
 
 use tracing::Subscriber;
@@ -15,13 +16,17 @@ use crate::cli::LogFormat;
 /// too.
 pub fn init(format: LogFormat, default_filter: &str) {
     let filter = EnvFilter::try_from_env("TALLY_LOG").unwrap_or_else(|_| default_filter.into());
-    subscriber(
-        format,
-        filter,
-        std::io::stderr,
+    let colour = colour_wanted(
         std::io::stderr().is_terminal(),
-    )
-    .init();
+        std::env::var_os("NO_COLOR"),
+    );
+    subscriber(format, filter, std::io::stderr, colour).init();
+}
+
+/// Whether text lines carry colour: only on a terminal, and never with `NO_COLOR` set to
+/// anything (<https://no-color.org>). A file or a pipe gets plain text.
+fn colour_wanted(is_terminal: bool, no_color: Option<OsString>) -> bool {
+    is_terminal && no_color.is_none_or(|value| value.is_empty())
 }
 
 /// The subscriber for `format`, writing to `writer`.
@@ -101,6 +106,14 @@ mod tests {
         assert_eq!(line["offset"], 41);
         assert!(line["timestamp"].is_string(), "{line}");
         assert!(line["target"].is_string(), "{line}");
+    }
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour_wanted(true, None));
+        assert!(colour_wanted(true, Some(OsString::new())));
+        assert!(!colour_wanted(true, Some("1".into())));
+        assert!(!colour_wanted(false, None));
     }
 
     #[test]
