@@ -3,10 +3,11 @@
 //! Starts a private Apache Kafka broker and a private redis-server
 //! on free loopback ports, a traffic generator with a viral post, and the
 //! aggregator, then prints events/s, batches/s, Redis increments per event and
-//! the viral post's count next to the number of likes actually produced. On
-//! Ctrl-C (or after `--duration`) it stops the generator, lets the aggregator
-//! catch up, checks every post's count against the generator's own tally, and
-//! shuts everything down.
+//! the viral post's count next to the number of likes actually produced; what
+//! librdkafka logs of a broker still starting is summed up under the table
+//! ([`HeldBack`]). On Ctrl-C (or after `--duration`) it stops the generator,
+//! lets the aggregator catch up, checks every post's count against the
+//! generator's own tally, and shuts everything down.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use tally::read::Reader;
 use tally_lab::generate::{Traffic, TrafficShape};
 
 use crate::local::{Service, create_topic, settings_error, start_kafka, start_redis};
+use crate::logs::HeldBack;
 
 /// Settings of `tally-lab demo`.
 #[derive(Debug, Clone, Args)]
@@ -165,8 +167,9 @@ fn read_all(conn: &mut redis::Connection, keys: &KeyLayout) -> Result<HashMap<u6
     Ok(counts)
 }
 
-/// Runs the demo until Ctrl-C or `--duration`.
-pub async fn demo(config: DemoConfig) -> Result<()> {
+/// Runs the demo until Ctrl-C or `--duration`; `held_back` counts librdkafka's start-up
+/// messages kept out of the table.
+pub async fn demo(config: DemoConfig, held_back: Option<HeldBack>) -> Result<()> {
     // Listening from the start: an interrupt that arrives while the display
     // is busy reading Redis, or before it begins, waits here rather than
     // being lost (or ending the process before the check).
@@ -185,6 +188,9 @@ pub async fn demo(config: DemoConfig) -> Result<()> {
     );
     let mut pipeline = Pipeline::start(&config, brokers, topic, &redis_url).await?;
     pipeline.display(config.duration, &mut interrupt).await;
+    if let Some(line) = held_back.and_then(|h| h.summary()) {
+        println!("{line}");
+    }
     let produced = pipeline.catch_up().await;
     let wrong = pipeline.check(produced)?;
     pipeline.shut_down().await?;

@@ -19,7 +19,7 @@
 //! local         the private Apache Kafka node and redis-server the demo and the benchmarks start
 //! binaries      the `tally` binary and this one, as child processes with no TALLY_* inherited
 //! markdown      the reports' blocks in docs/benchmarks.md: command line, machine, date
-//! logs          log lines on stderr: colour only on a terminal
+//! logs          log lines on stderr: colour only on a terminal; the demo's start-up held back
 //! ```
 //!
 //! The traffic itself comes from the lab's library, [`tally_lab::generate`].
@@ -85,7 +85,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logs::init();
+    let held_back = logs::init(matches!(cli.command, Command::Demo(_)));
     // The demo runs the pipeline in this process: a panic of one of its background tasks ends
     // the command, as it ends `tally run`.
     tally::infra::tasks::install_panic_hook();
@@ -94,7 +94,7 @@ fn main() -> ExitCode {
         .and_then(|runtime| {
             runtime.block_on(async {
                 tokio::select! {
-                    result = dispatch(cli.command, cli.tally_bin) => result,
+                    result = dispatch(cli.command, cli.tally_bin, held_back) => result,
                     failure = tally::infra::tasks::failed() => Err(failure.into()),
                 }
             })
@@ -109,10 +109,14 @@ fn main() -> ExitCode {
 }
 
 /// Runs one command; `tally_bin` is `--tally-bin`, looked for only by the commands that
-/// start `tally`.
-async fn dispatch(command: Command, tally_bin: Option<PathBuf>) -> anyhow::Result<()> {
+/// start `tally`; `held_back`, the demo's start-up messages of librdkafka.
+async fn dispatch(
+    command: Command,
+    tally_bin: Option<PathBuf>,
+    held_back: Option<logs::HeldBack>,
+) -> anyhow::Result<()> {
     match command {
-        Command::Demo(config) => demo::demo(config).await,
+        Command::Demo(config) => demo::demo(config, held_back).await,
         Command::Produce(config) => produce::produce(*config).await,
         Command::Bench(config) => bench::bench(*config, Tally::locate(tally_bin)?).await,
         Command::BenchReads(config) => {
