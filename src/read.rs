@@ -518,7 +518,7 @@ impl Reader {
         }
         let group = keys.group_of(id);
         let assumed = splits.get(group);
-        let n = keys.hash_number(id, assumed, &mut String::new());
+        let (place, n) = keys.numbered_place(id, assumed);
         addressed.push(Addressed {
             at: commands.len(),
             id,
@@ -526,7 +526,7 @@ impl Reader {
             n,
             assumed,
         });
-        commands.push(KeyCommand::counter(keys.place_at(id, assumed)));
+        commands.push(KeyCommand::counter(place));
     }
 
     /// Appends a read of the split state of every slot group `addressed`

@@ -1036,6 +1036,17 @@ mod tests {
         assert_eq!(compare("t", &one, &stored, 1), Ok(()));
     }
 
+    /// A record's fields with its format replaced by `format`.
+    fn at_format(fields: Vec<(String, String)>, format: u32) -> Vec<(String, String)> {
+        fields
+            .into_iter()
+            .map(|(f, v)| match f.as_str() {
+                "format" => (f, format.to_string()),
+                _ => (f, v),
+            })
+            .collect()
+    }
+
     #[test]
     fn growing_generations_need_format_5() {
         use crate::domain::packing::Growing;
@@ -1063,14 +1074,8 @@ mod tests {
             shape
         );
         // Written as format 4, a build of format 4 would misplace its counters.
-        let older: Vec<(String, String)> = fields
-            .into_iter()
-            .map(|(f, v)| match f.as_str() {
-                "format" => (f, WINDOWS_FORMAT.to_string()),
-                _ => (f, v),
-            })
-            .collect();
-        let damaged = Record::from_fields("t:layout", &older).unwrap_err();
+        let damaged =
+            Record::from_fields("t:layout", &at_format(fields, WINDOWS_FORMAT)).unwrap_err();
         assert!(damaged.to_string().contains("older than 5"), "{damaged}");
     }
 
@@ -1220,15 +1225,8 @@ mod tests {
         assert_eq!(record.format, WINDOWS_FORMAT);
         let read = Record::from_fields("t:layout", &record.fields()).unwrap();
         assert_eq!(read.windows, windows);
-        let older: Vec<(String, String)> = record
-            .fields()
-            .into_iter()
-            .map(|(f, v)| match f.as_str() {
-                "format" => (f, PACKED_FORMAT.to_string()),
-                _ => (f, v),
-            })
-            .collect();
-        let damaged = Record::from_fields("t:layout", &older).unwrap_err();
+        let damaged = Record::from_fields("t:layout", &at_format(record.fields(), PACKED_FORMAT))
+            .unwrap_err();
         assert!(damaged.to_string().contains("older than 4"), "{damaged}");
         assert!(check_windows("t", None, &windows).is_ok());
         assert!(check_windows("t", Some(&windows), &windows).is_ok());

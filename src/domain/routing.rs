@@ -350,13 +350,34 @@ impl KeyLayout {
 
     /// Where a counter is kept, under `splits` when the hashes grow.
     pub fn place_at(&self, id: CounterId, splits: Splits) -> Place {
-        let key = self.key_at(id, splits);
-        let field = self.packing.is_packed().then(|| {
-            let mut field = String::new();
+        self.numbered_place(id, splits).0
+    }
+
+    /// Where a counter is kept, under `splits` when the hashes grow, and the
+    /// number of its hash (0 for string keys); its field is written once.
+    pub fn numbered_place(&self, id: CounterId, splits: Splits) -> (Place, u32) {
+        if !self.packing.is_packed() {
+            let place = Place {
+                key: self.key_at(id, splits),
+                field: None,
+            };
+            return (place, 0);
+        }
+        let mut field = String::with_capacity(32);
+        let n = self.hash_number(id, splits, &mut field);
+        // A fixed packing numbers its hashes without writing the field.
+        if field.is_empty() {
             self.write_field(&mut field, id);
-            field
-        });
-        Place { key, field }
+        }
+        let mut key = String::with_capacity(64);
+        self.write_hash_key(&mut key, n, self.group_of(id));
+        (
+            Place {
+                key,
+                field: Some(field),
+            },
+            n,
+        )
     }
 
     /// Where a counter is kept in a layout whose places never move; see
