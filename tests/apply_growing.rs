@@ -303,3 +303,36 @@ fn a_reader_never_sees_a_count_go_down_while_hashes_split() {
         splits_seen.len()
     );
 }
+
+/// A first call far larger than its group's one hash would turn that hash into a hashtable for
+/// good; the script splits the group to make room first, and every hash stays a listpack.
+#[test]
+fn a_call_larger_than_its_group_splits_it_first_and_every_hash_stays_compact() {
+    let redis = RedisServer::start();
+    let rt = runtime();
+    let keys = growing("c", 40);
+    let applier = applier(&rt, &redis.url(), keys);
+    let mut conn = redis.conn();
+    let mut draws = Draws(0xbead);
+    let deltas: Vec<(u64, u32, i64)> = (0..5_000).map(|_| (draws.next(), 0, 1)).collect();
+    rt.block_on(applier.apply_once(&script(0, 9, -1, &deltas)))
+        .unwrap()
+        .unwrap();
+    let all = stored(&mut conn, "c");
+    assert_eq!(all.len(), 5_000);
+    let (splits, counted) = state(&mut conn, "c");
+    assert_eq!(counted, 5_000);
+    assert!(splits.hashes() >= 125, "{splits:?}");
+    let numbers: std::collections::BTreeSet<u32> = all.iter().map(|(n, _, _)| *n).collect();
+    for n in numbers {
+        let key = format!("c:packed:{n}");
+        let encoding: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(&key)
+            .query(&mut conn)
+            .unwrap();
+        let len: u64 = conn.hlen(&key).unwrap();
+        assert_eq!(encoding, "listpack", "{key} holds {len} fields");
+        assert!(len <= 125, "{key} holds {len} fields");
+    }
+}

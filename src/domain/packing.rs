@@ -37,8 +37,10 @@
 //! hash on average, the apply script splits hash `next`: every field whose
 //! `h mod 2^(level+1)` is `next + 2^level` moves to that new hash, and `next`
 //! advances (at `2^level` the level rises and `next` starts again at 0). One
-//! split moves one hash's fields, a few dozen, so splits spread over the
-//! calls that fill the group and none makes a script long.
+//! split moves one hash's fields, a few dozen, and a call makes the splits
+//! the counters it created need (and a few more while the group is behind),
+//! so splits spread over the calls that fill the group, in proportion to
+//! their writes.
 //!
 //! **Why no count is lost or doubled.** A field lives in exactly one hash at
 //! every moment: the split that moves it runs in the same script, in the same
@@ -82,8 +84,9 @@ pub const PACK_SEED: u64 = 0x7061_636b; // "pack"
 /// `hash-max-listpack-entries` of 128, for about 15 bytes a counter.
 pub const DEFAULT_GROWING_FIELDS: u32 = 40;
 
-/// The most levels a slot group's hashes grow to: 2^31 hashes a group.
-pub const MAX_LEVEL: u32 = 31;
+/// The most levels a slot group's hashes grow to: 2^30 hashes a group, the
+/// most whose numbers a [`field_hash`] below 2^31 - 1 reaches.
+pub const MAX_LEVEL: u32 = 30;
 
 /// How a generation keeps its counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -220,30 +223,31 @@ impl SplitCache {
 
 /// Fields and their [`field_hash`], as docs/design.md publishes them.
 pub const FIELD_HASH_VECTORS: [(&str, u32); 5] = [
-    ("", 2_872_998_923),
-    ("42", 686_566_589),
-    ("-1", 2_139_564_650),
-    ("42:v2:b7", 3_435_063_479),
-    ("9223372036854775807", 3_002_603_485),
+    ("", 0),
+    ("42", 52_000_206),
+    ("-1", 45_000_184),
+    ("42:v2:b7", 676_428_624),
+    ("9223372036854775807", 1_123_251_681),
 ];
 
-/// The hash of a packed field that places it in a growing generation:
-/// FNV-1a (32 bits) of the field's bytes, then MurmurHash3's 32-bit
-/// finaliser so that its low bits, which pick the hash, depend on every
-/// byte. Part of the layout's contract; `apply_packed.lua` computes the same
-/// when it splits a hash (tests hold the two to the same vectors).
+/// The hash of a packed field that places it in a growing generation: the
+/// field's bytes read as a number in base 1,000,003, modulo the prime
+/// 2^31 - 1. Part of the layout's contract; `field_hash.lua` computes the
+/// same when a script splits a hash, in arithmetic Lua's doubles hold
+/// exactly (tests hold the two to the same vectors). Random, sequential and
+/// bucketed fields spread over the low bits that pick a hash as evenly as a
+/// random draw would (docs/design.md).
 pub fn field_hash(field: &[u8]) -> u32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for &byte in field {
-        h ^= u32::from(byte);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^ (h >> 16)
+    let h = field.iter().fold(0u64, |h, &byte| {
+        (h * FIELD_HASH_BASE + u64::from(byte)) % FIELD_HASH_MODULUS
+    });
+    h as u32
 }
+
+/// The base [`field_hash`] reads a field's bytes in.
+const FIELD_HASH_BASE: u64 = 1_000_003;
+/// The prime [`field_hash`] reduces by: 2^31 - 1.
+const FIELD_HASH_MODULUS: u64 = (1 << 31) - 1;
 
 /// The shape of a packed generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -473,6 +477,46 @@ mod tests {
             128
         );
         const { assert!(LONGEST_FIELD <= 64, "the default hash-max-listpack-value") };
+    }
+
+    #[test]
+    fn random_sequential_and_bucketed_fields_spread_evenly() {
+        // 4,096 hashes at level 12, about 98 fields each: the spread of a
+        // random draw is sqrt(98), about 10.
+        let spread = |fields: &mut dyn Iterator<Item = String>| {
+            let splits = Splits { level: 12, next: 0 };
+            let mut fill = vec![0u32; 4096];
+            for field in fields {
+                fill[splits.address(field_hash(field.as_bytes())) as usize] += 1;
+            }
+            let mean = fill.iter().map(|&f| f64::from(f)).sum::<f64>() / 4096.0;
+            let var = fill
+                .iter()
+                .map(|&f| (f64::from(f) - mean).powi(2))
+                .sum::<f64>()
+                / 4096.0;
+            (var.sqrt(), *fill.iter().max().unwrap())
+        };
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let random = spread(&mut (0..400_000).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x as i64).to_string()
+        }));
+        let sequential = spread(&mut (1..=400_000u64).map(|p| p.to_string()));
+        let bucketed =
+            spread(&mut (1..=6_250u64).flat_map(|p| (0..64).map(move |b| format!("{p}:v3:b{b}"))));
+        for (name, (deviation, fullest)) in [
+            ("random", random),
+            ("sequential", sequential),
+            ("bucketed", bucketed),
+        ] {
+            assert!(deviation < 12.0, "{name}: {deviation}");
+            assert!(fullest < 150, "{name}: {fullest}");
+        }
+        // Lua's doubles hold every step exactly: the largest is below 2^53.
+        const { assert!((FIELD_HASH_MODULUS - 1) * FIELD_HASH_BASE + 255 < 1 << 53) };
     }
 
     #[test]

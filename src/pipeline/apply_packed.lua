@@ -40,17 +40,23 @@
 --     fence stays
 --   5 resplit: {5, fence, 0, level, next}: a hash the call names was split
 --     since the state it was addressed with (or does not exist under the
---     state stored); nothing written; address again with (level, next)
+--     state stored), or the call would have filled a hash past what the
+--     server keeps compact and the script split hashes to make room first;
+--     no count written, the fence stays; address again with (level, next)
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
 -- may call, or (ERR) when the fence key holds what is not an offset or the
 -- split state what tally does not write; nothing written.
 -- A field the undo brings back to 0 is deleted, and a hash left empty goes
 -- with its last field: absent reads as 0, and a refused call creates nothing.
 
--- The most hashes one call splits: each moves a few dozen fields, so a call
--- stays short however fast its group grows.
-local MAX_SPLITS = 8
-local MAX_LEVEL = 31
+-- A call splits as many hashes as the counters it created need (one per
+-- `grow` of them) and CATCH_UP more while the group is behind: each split
+-- moves a few dozen fields, so the splits cost a call a share of its own
+-- writes, never a pause of their own, however fast its group grows.
+local CATCH_UP = 4
+-- The most splits that make room for one call before it is written.
+local PRESPLIT_MAX = 4096
+local MAX_LEVEL = 30
 
 local fence, skipped = fence_decision()
 if not fence then
@@ -107,6 +113,50 @@ end
 -- The split state, and whether every hash the call names is where the
 -- caller's state put it.
 local level, nxt, count = 0, 0, 0
+
+-- Moves the fields of hash n whose hash has bit `level` set to hash
+-- n + 2^level. False when the new hash refuses them (a key of another type,
+-- a slot being migrated away): nothing moved, and the splits wait.
+local function split(n)
+  local stem, tail = argv[8], argv[9]
+  local from = stem .. n .. tail
+  local all = redis.call('HGETALL', from)
+  local high, size = 2 ^ level, 2 ^ (level + 1)
+  local moved, gone = {}, {}
+  for i = 1, #all, 2 do
+    if field_hash(all[i]) % size >= high then
+      moved[#moved + 1] = all[i]
+      moved[#moved + 1] = all[i + 1]
+      gone[#gone + 1] = all[i]
+    end
+  end
+  if #gone > 0 then
+    local set = pcall('HSET', stem .. (n + high) .. tail, unpack(moved))
+    if kind(set) == 'table' and set.err then
+      return false
+    end
+    redis.call('HDEL', from, unpack(gone))
+  end
+  return true
+end
+
+-- Splits hashes in order while `wanted` counters would be more than `grow`
+-- a hash, at most `budget` of them; returns how many it split.
+local function split_until(wanted, budget)
+  local splits = 0
+  while wanted > grow * (2 ^ level + nxt) and splits < budget and level < MAX_LEVEL do
+    if not split(nxt) then
+      break
+    end
+    splits = splits + 1
+    nxt = nxt + 1
+    if nxt == 2 ^ level then
+      level, nxt = level + 1, 0
+    end
+  end
+  return splits
+end
+
 if grow > 0 then
   local raw = redis.call('HMGET', keys[2], 'level', 'next', 'fields')
   level, nxt, count = tonumber(raw[1] or '0'), tonumber(raw[2] or '0'), tonumber(raw[3] or '0')
@@ -131,6 +181,28 @@ if grow > 0 then
       end
       at = at + 2 + 2 * tonumber(argv[at + 1])
     end
+  end
+  -- A hash the call would fill past what the server keeps compact (a new
+  -- group, or a call much larger than its group) would turn into a
+  -- hashtable for good, even once splits empty it again. The group is first
+  -- split until it has room for every pair of the call, and the call is
+  -- refused with the new state, no count written, to be addressed anew.
+  -- Only a hash named by more pairs than the fullest hashes leave room for
+  -- is looked at, so a call of a grown group pays nothing for it.
+  local safe = 2 * grow + 5 * math.sqrt(2 * grow)
+  local room = safe - 2 * math.ceil(count / (2 ^ level + nxt))
+  local at, pairs_named, crowded = at0, 0, false
+  for k = first, hashes do
+    local m = tonumber(argv[at + 1])
+    pairs_named = pairs_named + m
+    if m > room and not crowded then
+      crowded = redis.call('HLEN', keys[k]) + m > safe
+    end
+    at = at + 2 + 2 * m
+  end
+  if crowded and split_until(count + pairs_named, PRESPLIT_MAX) > 0 then
+    redis.call('HSET', keys[2], 'level', level, 'next', nxt, 'fields', count)
+    return {5, fence, 0, level, nxt}
   end
 end
 
@@ -189,45 +261,9 @@ if hashes >= first then
   fill = redis.call('HLEN', keys[first + last % (hashes - first + 1)])
 end
 
--- Moves the fields of hash n whose hash has bit `level` set to hash
--- n + 2^level. False when the new hash refuses them (a key of another type,
--- a slot being migrated away): nothing moved, and the splits wait.
-local function split(n)
-  local stem, tail = argv[8], argv[9]
-  local from = stem .. n .. tail
-  local all = redis.call('HGETALL', from)
-  local high, size = 2 ^ level, 2 ^ (level + 1)
-  local moved, gone = {}, {}
-  for i = 1, #all, 2 do
-    if field_hash(all[i]) % size >= high then
-      moved[#moved + 1] = all[i]
-      moved[#moved + 1] = all[i + 1]
-      gone[#gone + 1] = all[i]
-    end
-  end
-  if #gone > 0 then
-    local set = pcall('HSET', stem .. (n + high) .. tail, unpack(moved))
-    if kind(set) == 'table' and set.err then
-      return false
-    end
-    redis.call('HDEL', from, unpack(gone))
-  end
-  return true
-end
-
 if grow > 0 then
   count = count + created
-  local splits = 0
-  while count > grow * (2 ^ level + nxt) and splits < MAX_SPLITS and level < MAX_LEVEL do
-    if not split(nxt) then
-      break
-    end
-    splits = splits + 1
-    nxt = nxt + 1
-    if nxt == 2 ^ level then
-      level, nxt = level + 1, 0
-    end
-  end
+  local splits = split_until(count, math.ceil(created / grow) + CATCH_UP)
   if created > 0 or splits > 0 then
     redis.call('HSET', keys[2], 'level', level, 'next', nxt, 'fields', count)
   end
