@@ -1,5 +1,5 @@
 //! The lab's benchmarks that call the apply script themselves (`tally-lab bench-writes`,
-//! `bench-windows` and `bench-memory`) run through on a real redis-server: they send the script
+//! `bench-windows`, `bench-memory` and `bench-growth`) run through on a real redis-server: they send the script
 //! the arguments `tally run` sends, so a change to those arguments that leaves a benchmark behind
 //! fails here and not in the middle of `scripts/bench`.
 
@@ -61,5 +61,18 @@ fn bench_memory_measures_both_layouts() {
         "bench-memory",
         "--counters 20000 --fields 64 --keys 500 --calls 2",
         &["| strings |", "| packed | 64 |"],
+    );
+}
+
+#[test]
+fn bench_growth_grows_every_layout() {
+    runs_through(
+        "bench-growth",
+        "--counters 100000 --keys 1000",
+        &[
+            "| 100,000 | strings |",
+            "| 100,000 | packed, growing |",
+            "| 100,000 | packed, fixed |",
+        ],
     );
 }

@@ -176,15 +176,33 @@ struct ServerRun {
 }
 
 /// A server binary to run every case on.
-struct Server {
+pub(crate) struct Server {
     /// `redis-server` or `valkey-server`.
-    name: &'static str,
+    pub(crate) name: &'static str,
     /// The binary; `None` for the redis-server on PATH.
-    program: Option<PathBuf>,
+    pub(crate) program: Option<PathBuf>,
+}
+
+/// The redis-server on PATH, then `valkey` when given.
+pub(crate) fn servers(valkey: Option<&PathBuf>) -> Result<Vec<Server>> {
+    let mut servers = vec![Server {
+        name: "redis-server",
+        program: None,
+    }];
+    if let Some(path) = valkey {
+        if !path.is_file() {
+            bail!("--valkey-server {}: no such file", path.display());
+        }
+        servers.push(Server {
+            name: "valkey-server",
+            program: Some(path.clone()),
+        });
+    }
+    Ok(servers)
 }
 
 impl Server {
-    fn start(&self, dir: &Path) -> Result<(Service, String)> {
+    pub(crate) fn start(&self, dir: &Path) -> Result<(Service, String)> {
         match &self.program {
             None => start_redis(dir),
             Some(program) => start_store(program, dir),
@@ -203,16 +221,7 @@ pub async fn bench_memory(config: BenchMemoryConfig) -> Result<()> {
 fn bench_blocking(config: &BenchMemoryConfig) -> Result<()> {
     let mut rng = SmallRng::seed_from_u64(POSTS_SEED);
     let posts: Vec<u64> = (0..config.counters).map(|_| rng.random()).collect();
-    let mut servers = vec![Server {
-        name: "redis-server",
-        program: None,
-    }];
-    if let Some(path) = &config.valkey_server {
-        servers.push(Server {
-            name: "valkey-server",
-            program: Some(path.clone()),
-        });
-    }
+    let servers = servers(config.valkey_server.as_ref())?;
     let cases: Vec<Case> = std::iter::once(Case::Strings)
         .chain(config.fields.iter().map(|&f| Case::Packed(f)))
         .collect();
@@ -406,7 +415,7 @@ fn sample_encodings(
 }
 
 /// `CONFIG GET name`'s value.
-fn config_get(conn: &mut redis::Connection, name: &str) -> Result<String> {
+pub(crate) fn config_get(conn: &mut redis::Connection, name: &str) -> Result<String> {
     let reply: Vec<String> = redis::cmd("CONFIG")
         .arg("GET")
         .arg(name)
@@ -421,7 +430,7 @@ fn config_get(conn: &mut redis::Connection, name: &str) -> Result<String> {
 /// `INFO memory` once the server reports no rehashing of its keyspace (servers that report
 /// it: `mem_overhead_db_hashtable_rehashing`), waiting up to 60 s: a table being rehashed
 /// holds its old and new arrays at once.
-fn settled_memory(conn: &mut redis::Connection) -> Result<String> {
+pub(crate) fn settled_memory(conn: &mut redis::Connection) -> Result<String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let memory: String = redis::cmd("INFO")
@@ -439,7 +448,7 @@ fn settled_memory(conn: &mut redis::Connection) -> Result<String> {
 }
 
 /// The value of `name` in INFO text (`name:value` lines).
-fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub(crate) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines().find_map(|line| {
         line.strip_prefix(name)
             .and_then(|rest| rest.strip_prefix(':'))
@@ -448,7 +457,7 @@ fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
 }
 
 /// A byte count of INFO memory, `used_memory` or `used_memory_peak`.
-fn used_memory(info: &str, name: &str) -> Result<u64> {
+pub(crate) fn used_memory(info: &str, name: &str) -> Result<u64> {
     info_field(info, name)
         .with_context(|| format!("INFO memory has no {name}"))?
         .parse()
@@ -456,7 +465,7 @@ fn used_memory(info: &str, name: &str) -> Result<u64> {
 }
 
 /// "redis-server 7.0.15", or "valkey-server 9.1.2 (redis_version 7.2.4)".
-fn server_name(binary: &str, info: &str) -> String {
+pub(crate) fn server_name(binary: &str, info: &str) -> String {
     let redis = info_field(info, "redis_version").unwrap_or("?");
     match info_field(info, "valkey_version") {
         Some(valkey) => format!("{binary} {valkey} (redis_version {redis})"),
@@ -465,7 +474,7 @@ fn server_name(binary: &str, info: &str) -> String {
 }
 
 /// Bytes as MiB, "12.3 MiB".
-fn mib(bytes: u64) -> String {
+pub(crate) fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 

@@ -16,6 +16,8 @@
 //! bench_writes  what one counter write costs Redis: in apply.lua, in a transaction, pipelined
 //! bench_windows what a window of trending counts costs Redis per post, beside the counters
 //! bench_memory  what a counter costs Redis in memory and CPU per write, as a string or packed
+//! bench_growth  one prefix grown to tens of millions of counters, strings beside packed hashes
+//!               that split as they fill: bytes, CPU and the slowlog at each tenfold step
 //! local         the private Apache Kafka node and redis-server the demo and the benchmarks start
 //! binaries      the `tally` binary and this one, as child processes with no TALLY_* inherited
 //! markdown      the reports' blocks in docs/benchmarks.md: command line, machine, date
@@ -38,6 +40,7 @@ use binaries::Tally;
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod bench;
+mod bench_growth;
 mod bench_memory;
 mod bench_reads;
 mod bench_windows;
@@ -78,6 +81,9 @@ enum Command {
     BenchWindows(Box<bench_windows::BenchWindowsConfig>),
     /// Measure what a counter costs Redis in memory and CPU per write, as strings and packed in hashes.
     BenchMemory(Box<bench_memory::BenchMemoryConfig>),
+    /// Grow one prefix to tens of millions of counters, as strings and as packed hashes that
+    /// split as they fill: bytes, CPU and the slowlog at each tenfold step.
+    BenchGrowth(Box<bench_growth::BenchGrowthConfig>),
     /// One baseline consumer of `tally-lab bench`, run as its child process.
     #[command(hide = true)]
     BenchBaseline(Box<bench::BaselineArgs>),
@@ -125,6 +131,7 @@ async fn dispatch(
         Command::BenchWrites(config) => bench_writes::bench_writes(*config).await,
         Command::BenchWindows(config) => bench_windows::bench_windows(*config).await,
         Command::BenchMemory(config) => bench_memory::bench_memory(*config).await,
+        Command::BenchGrowth(config) => bench_growth::bench_growth(*config).await,
         Command::BenchBaseline(args) => bench::baseline(*args).await,
     }
 }
