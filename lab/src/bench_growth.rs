@@ -19,6 +19,11 @@
 //! * for the packed cases: their hashes, the fullest, and how many are not
 //!   listpacks (every hash read with `HLEN` and `OBJECT ENCODING`).
 //!
+//! At the end of each case, `--reads` posts are read back through the
+//! library's reader (what `tally count` and `tally serve` read with, cache
+//! off): posts a second and Redis CPU µs a post read, beside strings and the
+//! fixed hashes; every post must read the like it was given.
+//!
 //! Invariant: each case runs on a fresh server of its own with the same post
 //! ids in the same calls, one call after another on one connection, each
 //! call's offsets right after the last, so every call applies; the packed
@@ -59,6 +64,11 @@ pub struct BenchGrowthConfig {
     /// Fields per hash, on average, of the packed case (`tally run --packed-fields`).
     #[arg(long, default_value_t = DEFAULT_GROWING_FIELDS)]
     pub fields: u32,
+
+    /// Posts read at the end of each case through the library's reader (what `tally count`
+    /// and `tally serve` read with, its cache off), one post a read from 32 tasks; 0: none.
+    #[arg(long, default_value_t = 200_000)]
+    pub reads: u64,
 
     /// A valkey-server binary to repeat every case on, after redis-server.
     #[arg(long, value_name = "PATH")]
@@ -154,6 +164,16 @@ struct Survey {
 struct CaseRun {
     case: Case,
     steps: Vec<Step>,
+    reads: Option<Reads>,
+}
+
+/// The reads at the end of a case.
+#[derive(Debug, Clone, Copy)]
+struct Reads {
+    posts: u64,
+    per_sec: f64,
+    /// Server CPU µs per post read.
+    cpu_us: f64,
 }
 
 struct ServerRun {
@@ -184,10 +204,10 @@ fn grow_all(config: &BenchGrowthConfig) -> Result<()> {
             cases: Vec::new(),
         };
         for case in Case::ALL {
-            let (steps, name, entries) = grow(&server, case, config)?;
+            let (steps, reads, name, entries) = grow(&server, case, config)?;
             run.name = name;
             run.entries = entries;
-            run.cases.push(CaseRun { case, steps });
+            run.cases.push(CaseRun { case, steps, reads });
         }
         runs.push(run);
     }
@@ -204,13 +224,13 @@ fn steps(counters: u64) -> Vec<u64> {
     at
 }
 
-/// Grows one case on a fresh server; returns its steps, the server's name and its
+/// Grows one case on a fresh server; returns its steps, its reads, the server's name and its
 /// `hash-max-listpack-entries`.
 fn grow(
     server: &Server,
     case: Case,
     config: &BenchGrowthConfig,
-) -> Result<(Vec<Step>, String, String)> {
+) -> Result<(Vec<Step>, Option<Reads>, String, String)> {
     let dir = tempfile::Builder::new()
         .prefix("tally-bench-growth")
         .tempdir()
@@ -264,6 +284,9 @@ fn grow(
     let mut cpu = RedisSnapshot::take(&mut conn)?.cpu_secs;
     let mut last_step = 0u64;
     let (mut calls, mut slow) = (0u64, (0u64, 0u64));
+    // Every `stride`-th post of each call is kept for the reads.
+    let stride = (config.counters / SAMPLED_POSTS).max(1) as usize;
+    let mut sample: Vec<u64> = Vec::new();
     let started = Instant::now();
     let mut measured = Vec::new();
     for step in steps(config.counters) {
@@ -273,6 +296,13 @@ fn grow(
         while written < step {
             let n = config.keys.min(step - written);
             let prepared = calls_of(&mut rng, offset, n);
+            sample.extend(
+                prepared
+                    .deltas
+                    .iter()
+                    .step_by(stride)
+                    .map(|(id, _)| id.post_id),
+            );
             splits = apply(&mut writes, &sha, &layout, &fence, &prepared, splits)?;
             offset += n as i64;
             written += n;
@@ -312,7 +342,73 @@ fn grow(
         );
         measured.push(row);
     }
-    Ok((measured, name, entries))
+    let reads = match config.reads {
+        0 => None,
+        n => Some(read_back(&url, &layout, &sample, n, &mut conn)?),
+    };
+    if let Some(reads) = reads {
+        eprintln!(
+            "bench-growth: {name}, {}: {} posts read, {:.0} a second, {:.2} CPU µs a post",
+            case.label(),
+            thousands(reads.posts),
+            reads.per_sec,
+            reads.cpu_us
+        );
+    }
+    Ok((measured, reads, name, entries))
+}
+
+/// Posts kept of a case's writes for its reads.
+const SAMPLED_POSTS: u64 = 100_000;
+/// Tasks reading at once.
+const READERS: usize = 32;
+
+/// Reads `reads` posts of `posts` through the library's reader, cache off, one post a read
+/// from [`READERS`] tasks; every post must read 1 (each was added to once).
+fn read_back(
+    url: &str,
+    layout: &KeyLayout,
+    posts: &[u64],
+    reads: u64,
+    conn: &mut redis::Connection,
+) -> Result<Reads> {
+    let url = tally::infra::store::RedisUrl::parse(url)?;
+    let runtime = tokio::runtime::Handle::current();
+    let store = runtime.block_on(tally::infra::store::Shared::open(&url))?;
+    let reader = tally::read::Reader::new(store, layout.clone(), 1, std::time::Duration::ZERO);
+    let cpu = RedisSnapshot::take(conn)?.cpu_secs;
+    let started = Instant::now();
+    let per_task = reads.div_ceil(READERS as u64);
+    let tasks: Vec<_> = (0..READERS)
+        .map(|t| {
+            let reader = reader.clone();
+            let posts: std::sync::Arc<[u64]> = posts.into();
+            runtime.spawn(async move {
+                for i in 0..per_task {
+                    let post =
+                        posts[((i * READERS as u64 + t as u64) * 7_919) as usize % posts.len()];
+                    let count = reader.count(post).await?;
+                    if count.likes < 1 {
+                        bail!(
+                            "post {post} reads {}, not the like it was given",
+                            count.likes
+                        );
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        runtime.block_on(task).context("a reading task failed")??;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let done = per_task * READERS as u64;
+    Ok(Reads {
+        posts: done,
+        per_sec: done as f64 / secs,
+        cpu_us: (RedisSnapshot::take(conn)?.cpu_secs - cpu) * 1e6 / done as f64,
+    })
 }
 
 /// A connection for a step's writes.
@@ -499,6 +595,38 @@ fn render(config: &BenchGrowthConfig, runs: &[ServerRun]) -> Result<String> {
             }
         }
         writeln!(out)?;
+        let fixed = run
+            .cases
+            .iter()
+            .find(|c| c.case == Case::Fixed)
+            .and_then(|c| c.reads);
+        let strings_reads = strings.reads;
+        if run.cases.iter().any(|c| c.reads.is_some()) {
+            writeln!(
+                out,
+                "Reads at {}, one post a read from {READERS} tasks through the library's reader (cache off):\n",
+                thousands(strings.steps.last().map_or(0, |s| s.counters))
+            )?;
+            writeln!(
+                out,
+                "| layout | posts read | posts a second | Redis CPU µs a post read | × strings | × packed, fixed |"
+            )?;
+            writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+            for case in &run.cases {
+                let Some(r) = case.reads else { continue };
+                writeln!(
+                    out,
+                    "| {} | {} | {} | {:.2} | {} | {} |",
+                    case.case.label(),
+                    thousands(r.posts),
+                    thousands(r.per_sec as u64),
+                    r.cpu_us,
+                    strings_reads.map_or("–".into(), |s| ratio(r.cpu_us, s.cpu_us)),
+                    fixed.map_or("–".into(), |f| ratio(r.cpu_us, f.cpu_us)),
+                )?;
+            }
+            writeln!(out)?;
+        }
     }
     Ok(out)
 }
