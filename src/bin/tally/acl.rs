@@ -176,19 +176,19 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hmget",
-        "the generation pointer, routing versions of many posts, hot-post windows",
+        "the generation pointer, routing versions of many posts, hot-post windows; a packed slot group's split state, in the apply script and by readers (packed layout)",
     ),
     (
         "hgetall",
-        "the layout record, a post's route hash, the registry",
+        "the layout record, a post's route hash, the registry; a packed hash the apply script splits (packed layout)",
     ),
     (
         "hset",
-        "the layout record, routing versions, the generation and rebuild records; a window's floor when it rises, in the apply script (windows)",
+        "the layout record, routing versions, the generation and rebuild records; a window's floor when it rises, in the apply script (windows); the fields a split moves, and the split state (packed layout)",
     ),
     (
         "hdel",
-        "the mark of an unfreeze under way in the routing registry, once it finishes; a packed counter the apply script's undo brings back to 0 (packed layout); a post whose likes in a window come back to 0 (windows)",
+        "the mark of an unfreeze under way in the routing registry, once it finishes; a packed counter the apply script's undo brings back to 0, and the fields a split moves away (packed layout); a post whose likes in a window come back to 0 (windows)",
     ),
     (
         "hsetnx",
@@ -200,7 +200,7 @@ const USES: &[(&str, &str)] = &[
     ),
     (
         "hlen",
-        "the fullest packed hash an apply script wrote (packed layout)",
+        "the fullest packed hash an apply script wrote, and a hash a call would fill past the server's limit (packed layout)",
     ),
     (
         "expire",
