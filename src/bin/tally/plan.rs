@@ -135,7 +135,7 @@ pub struct PlanArgs {
     pub reread_events: Option<f64>,
     /// Price the counters' memory and write CPU in both layouts (a string key per counter,
     /// or `--layout packed`) for this many counters: one per post, plus one per bucket of a
-    /// hot post [default: none priced].
+    /// hot post [default: priced per million counters; neither layout needs a count up front].
     #[arg(long)]
     pub counters: Option<f64>,
     /// Redis memory the counters may take, before replicas (GB); with --counters, says

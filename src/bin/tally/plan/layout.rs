@@ -46,8 +46,11 @@ pub struct Price {
 /// Both layouts' price and the one to take.
 #[derive(Debug, Clone, Serialize)]
 pub struct Layouts {
-    /// Counters priced.
+    /// Counters priced: `--counters`, or a million when it is not given.
     pub counters: f64,
+    /// Whether the price is per million counters, no count given: both
+    /// layouts keep their price a counter as the site grows.
+    pub per_million: bool,
     /// The budget, if one was given (bytes).
     pub budget_bytes: Option<f64>,
     /// A string key per counter.
@@ -58,9 +61,12 @@ pub struct Layouts {
     pub verdict: String,
 }
 
-/// Both layouts priced, when `--counters` asks.
+/// Both layouts priced: for `--counters`, or per million counters when no
+/// count is given (neither layout needs one: packed hashes split as they
+/// fill, so a counter costs the same at any size).
 pub fn layouts(args: &PlanArgs, redis: &Redis) -> Option<Layouts> {
-    let counters = args.counters?;
+    let per_million = args.counters.is_none();
+    let counters = args.counters.unwrap_or(1e6);
     let budget = args.memory_budget_gb.map(|gb| gb * 1e9);
     let price = |layout, bytes_per_counter: f64, cpu: f64| {
         let memory = counters * bytes_per_counter;
@@ -75,6 +81,11 @@ pub fn layouts(args: &PlanArgs, redis: &Redis) -> Option<Layouts> {
     let strings = price("strings", args.string_bytes, 1.0);
     let packed = price("packed", args.packed_bytes, args.packed_cpu_ratio);
     let verdict = match (strings.fits, packed.fits) {
+        _ if per_million => format!(
+            "no count needed: packed keeps counters in {:.0}% of the memory of string keys at any size, for {:.1}× the write CPU (give --counters N and --memory-budget-gb B to choose for a size)",
+            100.0 * packed.memory_bytes / strings.memory_bytes,
+            args.packed_cpu_ratio
+        ),
         (true, _) if budget.is_some() => format!(
             "strings: the counters fit the budget as string keys, the cheaper write (packed would save {:.0}% of the memory for {:.1}× the write CPU)",
             100.0 * (1.0 - packed.memory_bytes / strings.memory_bytes),
@@ -96,6 +107,7 @@ pub fn layouts(args: &PlanArgs, redis: &Redis) -> Option<Layouts> {
     };
     Some(Layouts {
         counters,
+        per_million,
         budget_bytes: budget,
         strings,
         packed,
@@ -116,7 +128,13 @@ mod tests {
 
     #[test]
     fn the_verdict_follows_the_budget() {
-        assert!(plan_of("").layouts.is_none());
+        let per_million = plan_of("").layouts.unwrap();
+        assert!(per_million.per_million && per_million.counters == 1e6);
+        assert!(
+            per_million.verdict.starts_with("no count needed"),
+            "{}",
+            per_million.verdict
+        );
         let billion = plan_of("--counters 1000000000").layouts.unwrap();
         assert!((billion.strings.memory_bytes - MEASURED_STRING_BYTES * 1e9).abs() < 1e6);
         assert!((billion.packed.memory_bytes - MEASURED_PACKED_BYTES * 1e9).abs() < 1e6);

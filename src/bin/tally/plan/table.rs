@@ -50,8 +50,8 @@ pub fn render(plan: &Plan) -> String {
     hot_post(&mut out, plan);
     redis(&mut out, plan);
     busiest_primary(&mut out, plan);
-    dedupe(&mut out, plan);
     layouts(&mut out, plan);
+    dedupe(&mut out, plan);
     windows(&mut out, plan);
     warnings(&mut out, &plan.warnings);
     out
@@ -253,7 +253,17 @@ fn layouts(out: &mut String, plan: &Plan) {
         Some(b) => format!(", within {}", bytes(b)),
         None => String::new(),
     };
-    let _ = writeln!(out, "\nCounters ({}{budget})", n(l.counters));
+    match l.per_million {
+        true => {
+            let _ = writeln!(
+                out,
+                "\nCounters (a million of them; --counters N prices yours)"
+            );
+        }
+        false => {
+            let _ = writeln!(out, "\nCounters ({}{budget})", n(l.counters));
+        }
+    }
     for price in [&l.strings, &l.packed] {
         let fits = match (l.budget_bytes, price.fits) {
             (None, _) => "",
