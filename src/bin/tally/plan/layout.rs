@@ -19,9 +19,11 @@ use super::{PlanArgs, Redis};
 /// Redis memory a counter kept as a string key costs (bytes; 10M random post
 /// ids on redis-server 7.0.15, docs/benchmarks.md; 72.2 on Valkey 9.1.2).
 pub const MEASURED_STRING_BYTES: f64 = 99.3;
-/// Redis memory a counter kept as a field of a packed hash costs at the
-/// default 64 fields a hash (bytes; same run; 13.1 on Valkey 9.1.2).
-pub const MEASURED_PACKED_BYTES: f64 = 14.6;
+/// Redis memory a counter kept as a field of a packed hash costs in hashes
+/// that split as they fill, the default (bytes; the most of any step of
+/// `tally-lab bench-growth` from 100,000 to 30 million random post ids on
+/// redis-server 7.0.15, docs/benchmarks.md; 14.6 on Valkey 9.1.2).
+pub const MEASURED_PACKED_BYTES: f64 = 16.0;
 /// Redis CPU of a counter write into a packed hash of the default size over
 /// that of a string key, inside the apply script (the run after the script's
 /// fill report became one HLEN a call; 3.26 on Valkey 9.1.2).
