@@ -183,11 +183,10 @@ fn hashes_split_as_they_fill_and_keep_every_count() {
 }
 
 #[test]
-fn a_call_addressed_before_a_split_is_refused_whole_and_sent_again() {
+fn a_call_addressed_before_a_split_writes_where_the_split_state_says() {
     let redis = RedisServer::start();
     let rt = runtime();
     let keys = growing("s", 2);
-    let writer = applier(&rt, &redis.url(), keys.clone());
     let mut conn = redis.conn();
     // Another partition's applier fills the group until it has split.
     let other = applier(&rt, &redis.url(), keys.clone());
@@ -197,12 +196,10 @@ fn a_call_addressed_before_a_split_is_refused_whole_and_sent_again() {
     rt.block_on(other.apply_once(&from_other)).unwrap().unwrap();
     let (after, _) = state(&mut conn, "s");
     assert!(after.hashes() > 1, "{after:?}");
-    // `writer` still believes in one hash: its first call is refused with
-    // nothing written, then addressed again and applied.
-    assert_eq!(writer.splits().get(0), Splits::default());
-    let before = stored(&mut conn, "s");
+    // A call addressed as if the group still had one hash names hash 0 for every field: the
+    // script writes each where the state says now, in one call.
     let mine = script(0, 4, -1, &[(1, 0, 10), (2, 0, 10), (900, 0, 1)]);
-    let raw: Vec<redis::Value> = tally::pipeline::apply::script_call(
+    let reply: Vec<redis::Value> = tally::pipeline::apply::script_call(
         tally::pipeline::apply::ScriptBody::Full,
         &keys,
         "s:fence:g:likes:0",
@@ -211,18 +208,63 @@ fn a_call_addressed_before_a_split_is_refused_whole_and_sent_again() {
     )
     .query(&mut conn)
     .unwrap();
-    let code: i64 = redis::from_redis_value_ref(&raw[0]).unwrap();
-    assert_eq!(code, 5, "{raw:?}");
-    assert_eq!(stored(&mut conn, "s"), before, "a refused call wrote");
+    let code: i64 = redis::from_redis_value_ref(&reply[0]).unwrap();
+    assert_eq!(code, 0, "{reply:?}");
+    let (now, _) = state(&mut conn, "s");
+    let all = stored(&mut conn, "s");
+    let mut seen = HashMap::new();
+    for (n, field, value) in &all {
+        assert_eq!(
+            now.address(field_hash(field.as_bytes())),
+            *n,
+            "{field} in hash {n} under {now:?}"
+        );
+        assert!(
+            seen.insert(field.clone(), *value).is_none(),
+            "{field} twice"
+        );
+    }
+    assert_eq!((seen["1"], seen["2"], seen["900"]), (11, 11, 1));
     let fence: Option<i64> = conn.get("s:fence:g:likes:0").unwrap();
-    assert_eq!(fence, None);
-    rt.block_on(writer.apply_once(&mine)).unwrap().unwrap();
-    assert_eq!(writer.splits().get(0), state(&mut conn, "s").0);
-    let counts: HashMap<String, i64> = stored(&mut conn, "s")
-        .into_iter()
-        .map(|(_, f, v)| (f, v))
-        .collect();
-    assert_eq!((counts["1"], counts["2"], counts["900"]), (11, 11, 1));
+    assert_eq!(fence, Some(4));
+    // A counter that refuses its write, in a hash split since: everything is taken back from
+    // where it was written.
+    let _: () = conn
+        .hset(
+            format!("s:packed:{}", now.address(field_hash(b"7"))),
+            "7",
+            "x",
+        )
+        .unwrap();
+    let before = stored_raw(&mut conn, "s");
+    let refused = script(5, 9, -1, &[(3, 0, 5), (7, 0, 1), (901, 0, 2)]);
+    let reply: Vec<redis::Value> = tally::pipeline::apply::script_call(
+        tally::pipeline::apply::ScriptBody::Full,
+        &keys,
+        "s:fence:g:likes:0",
+        &refused,
+        Splits::default(),
+    )
+    .query(&mut conn)
+    .unwrap();
+    let code: i64 = redis::from_redis_value_ref(&reply[0]).unwrap();
+    assert_eq!(code, 4, "{reply:?}");
+    assert_eq!(
+        stored_raw(&mut conn, "s"),
+        before,
+        "a refused call kept a write"
+    );
+}
+
+/// Every (key, field, value) under `prefix`, values as text.
+fn stored_raw(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<(String, String), String> {
+    let keys: Vec<String> = conn.keys(format!("{prefix}:packed:*")).unwrap();
+    let mut all = BTreeMap::new();
+    for key in keys {
+        let pairs: Vec<(String, String)> = conn.hgetall(&key).unwrap();
+        all.extend(pairs.into_iter().map(|(f, v)| ((key.clone(), f), v)));
+    }
+    all
 }
 
 #[test]

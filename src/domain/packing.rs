@@ -44,14 +44,18 @@
 //!
 //! **Why no count is lost or doubled.** A field lives in exactly one hash at
 //! every moment: the split that moves it runs in the same script, in the same
-//! slot, as the split state it advances, and every write checks that state:
-//! a writer's call names the split state it addressed its fields with, and
-//! the script refuses the call, writing nothing, when any hash it names was
-//! split since (its level under the stored state is not the one the caller
-//! assumed), returning the stored state so that the caller addresses again.
-//! A write therefore always lands where the stored state says, and the
-//! fence's argument (apply.lua) is untouched: the split is one more write of
-//! a script that either runs whole or not at all.
+//! slot, as the split state it advances, and every write reads that state
+//! first. A writer's call names the split state it addressed its fields with;
+//! the script finds each hash the call names that was split since (its level
+//! under the stored state is not the one the caller assumed) and writes the
+//! fields named under it where the stored state says, computing their
+//! [`field_hash`] itself. A write therefore always lands where the stored
+//! state says, an undo takes it back from there (the state does not change
+//! until every write is done), and the fence's argument (apply.lua) is
+//! untouched: the split is one more write of a script that either runs whole
+//! or not at all. Every reply carries the state, so a writer's state is at
+//! most a few concurrent calls old, and the script hashes only the fields of
+//! the few hashes split in between.
 //!
 //! **Why a reader never sees a count go down because a field moved.** A
 //! reader addresses a field with a split state it read a moment ago, reads
@@ -194,7 +198,7 @@ impl Splits {
 
 /// The split states last seen of each slot group of one growing
 /// generation, shared by the tasks that address its fields. A state seen
-/// late only costs a call that is refused and addressed again.
+/// late only costs the script a few fields it hashes itself.
 #[derive(Debug, Clone)]
 pub struct SplitCache(Arc<[AtomicU64]>);
 

@@ -148,8 +148,9 @@ pub const PACKED_FILL_MAX: &str = "tally_packed_hash_fill_max";
 /// The server's `hash-max-listpack-entries`, read at start (0 on string
 /// keys): a hash with more fields has left the compact encoding.
 pub const PACKED_FILL_LIMIT: &str = "tally_packed_hash_fill_limit";
-/// Calls of a growing packed generation refused because a hash they named
-/// was split since their split state, and addressed again.
+/// Calls of a growing packed generation refused because they would have
+/// filled a hash past the server's limit, sent again once the script split
+/// the group to make room.
 pub const PACKED_RESPLITS: &str = "tally_packed_resplits_total";
 
 /// Posts with routing metadata in this consumer's view of the registry.
@@ -424,7 +425,7 @@ pub const ALL: &[(&str, Kind, &str)] = &[
     (
         PACKED_RESPLITS,
         Kind::Counter,
-        "Script calls of a packed generation whose hashes grow that named a hash split since the state they were addressed with: refused with nothing written, and sent again addressed anew.",
+        "Script calls of a packed generation whose hashes grow that would have filled a hash past the server's limit: refused with nothing counted once the script split the group to make room, and sent again addressed anew.",
     ),
     (
         ROUTED_POSTS,

@@ -451,10 +451,11 @@ impl Applier {
     }
 
     /// One call of the script; a missing script is sent in full once. A
-    /// growing generation's call addressed with a split state older than a
-    /// hash it names is refused whole by the script, which returns the state
-    /// stored: the call is addressed again with it and sent again, writing
-    /// nothing in between (see [`crate::domain::packing`]).
+    /// growing generation's call that would fill a hash past the server's
+    /// limit is refused whole by the script once it has split the group to
+    /// make room, with the state stored: the call is addressed again with it
+    /// and sent again, nothing counted in between (see
+    /// [`crate::domain::packing`]).
     async fn call(&self, prepared: &Prepared) -> Result<Vec<redis::Value>, RedisError> {
         let group = prepared.group;
         for _ in 0..MAX_RESPLITS {
@@ -566,12 +567,9 @@ impl Applier {
                 }));
             }
             let key = match text(4) {
-                // Packed: the reply names the field, and the field its counter.
-                Some(field) => {
-                    let id = self.keys().parse_field(&field).ok_or_else(unexpected)?;
-                    let splits = self.splits.get(prepared.group);
-                    self.keys().place_at(id, splits).shown()
-                }
+                // Packed: the reply names the field and the hash it was
+                // written to (after a split, not always a key of the call).
+                Some(field) => format!("{} {field}", text(5).ok_or_else(unexpected)?),
                 None => {
                     let (id, _) = prepared.deltas.get(index).ok_or_else(unexpected)?;
                     self.keys().key_of(*id)

@@ -31,18 +31,24 @@
 --   1 duplicate: fence >= last; nothing written
 --   2 straddle: start <= fence < last; nothing written
 --   3 gap: fence + 1 < start; nothing written
---   4 refused: {4, fence, i, error, field}: HINCRBY refused field of KEYS[i]
---     (a value that is not an integer, a key of another type, an overflow),
+--   4 refused: {4, fence, i, error, field, key}: HINCRBY refused field of
+--     the hash key, KEYS[i] or, when KEYS[i] was split since, the hash the
+--     field lives in now (a value that is not an integer, a key of another
+--     type, an overflow),
 --     or {4, fence, i, error} for a window key KEYS[i] of another type or
 --     with a floor that is not an integer, or {4, fence, i, error, member}
 --     when HINCRBY refused the post member of the window counts KEYS[i];
 --     the deltas already added are taken back, so no count changes and the
 --     fence stays
---   5 resplit: {5, fence, 0, level, next}: a hash the call names was split
---     since the state it was addressed with (or does not exist under the
---     state stored), or the call would have filled a hash past what the
---     server keeps compact and the script split hashes to make room first;
---     no count written, the fence stays; address again with (level, next)
+--   5 resplit: {5, fence, 0, level, next}: the call would have filled a
+--     hash past what the server keeps compact, and the script split hashes
+--     to make room first; no count written, the fence stays; address again
+--     with (level, next)
+-- A hash the call names that was split since the state it was addressed
+-- with is not refused: the fields the call names under it are written where
+-- the split state says now (field_hash.lua), and taken back from there by an
+-- undo. Such a hash in a slot being migrated away answers with an error
+-- reply (TRYAGAIN): nothing written, the call is tried again.
 -- An error reply (NOPERM) when the caller's ACL lacks a command the script
 -- may call, or (ERR) when the fence key holds what is not an offset or the
 -- split state what tally does not write; nothing written.
@@ -113,6 +119,8 @@ end
 -- The split state, and whether every hash the call names is where the
 -- caller's state put it.
 local level, nxt, count = 0, 0, 0
+-- The hashes of the call split since the caller addressed them, by index in KEYS.
+local moved_on = {}
 
 -- Moves the fields of hash n whose hash has bit `level` set to hash
 -- n + 2^level. False when the new hash refuses them (a key of another type,
@@ -173,11 +181,11 @@ if grow > 0 then
   local mine_level, mine_next = tonumber(argv[6]), tonumber(argv[7])
   if mine_level ~= level or mine_next ~= nxt then
     local at = at0
-    for _ = first, hashes do
+    for k = first, hashes do
       local n = tonumber(argv[at])
       local assumed = mine_level and mine_next and level_of(n, mine_level, mine_next)
       if not assumed or assumed ~= level_of(n, level, nxt) then
-        return {5, fence, 0, level, nxt}
+        moved_on[k] = true
       end
       at = at + 2 + 2 * tonumber(argv[at + 1])
     end
@@ -213,6 +221,21 @@ end
 
 -- Takes back every delta before pair p of KEYS[upto] (and all of the keys
 -- before it).
+-- The hash a field the call names under KEYS[k] is written to: KEYS[k], or,
+-- when that hash was split since the caller addressed it, the hash the split
+-- state names now (the state does not change until the writes are done).
+local function target(k, field)
+  if not moved_on[k] then
+    return keys[k]
+  end
+  local h = field_hash(field)
+  local n = h % 2 ^ level
+  if n < nxt then
+    n = h % 2 ^ (level + 1)
+  end
+  return argv[8] .. n .. argv[9]
+end
+
 local function undo(upto, p)
   local at = at0
   for k = first, upto do
@@ -223,8 +246,9 @@ local function undo(upto, p)
     end
     for j = 1, stop do
       local field = argv[at + 2 * j]
-      if redis.call('HINCRBY', keys[k], field, -tonumber(argv[at + 2 * j + 1])) == 0 then
-        redis.call('HDEL', keys[k], field)
+      local key = target(k, field)
+      if redis.call('HINCRBY', key, field, -tonumber(argv[at + 2 * j + 1])) == 0 then
+        redis.call('HDEL', key, field)
       end
     end
     at = at + 2 + 2 * m
@@ -235,14 +259,22 @@ end
 -- new, or back from 0) for the split state.
 local at, created = at0, 0
 for k = first, hashes do
-  local key = keys[k]
+  local key, moved = keys[k], moved_on[k]
   local m = tonumber(argv[at + 1])
   for j = 1, m do
     local field, delta = argv[at + 2 * j], argv[at + 2 * j + 1]
+    if moved then
+      key = target(k, field)
+    end
     local added = pcall('HINCRBY', key, field, delta)
     if kind(added) == 'table' then
       undo(k, j)
-      return {4, fence, k, added.err, field}
+      if moved and string.find(added.err, 'non local key', 1, true) then
+        -- A hash the call did not name lives in a slot being migrated away:
+        -- nothing is written, and the call is tried again once it has moved.
+        return redis.error_reply('TRYAGAIN apply_packed.lua: ' .. key .. ' is in a slot being migrated; nothing written')
+      end
+      return {4, fence, k, added.err, field, key}
     end
     if grow > 0 and added == tonumber(delta) then
       created = created + 1
